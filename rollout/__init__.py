@@ -1,0 +1,21 @@
+"""rollout: an RL rollout engine with policy-weight sync.
+
+`Engine` runs in-process on one device and never imports Ray; the cluster
+layer (`init`, `generate`, `push_weights`, ...) imports Ray when first used.
+"""
+
+from .engine import INFLIGHT_MODES, Engine, StepInfo
+from .outputs import RolloutOutput, Sample
+from .sampling_params import LOGPROBS_MODES, SamplingParams
+from .version_guard import PolicyVersionGuard
+
+__all__ = [
+    "INFLIGHT_MODES",
+    "LOGPROBS_MODES",
+    "Engine",
+    "PolicyVersionGuard",
+    "RolloutOutput",
+    "Sample",
+    "SamplingParams",
+    "StepInfo",
+]

@@ -1,0 +1,271 @@
+"""`Engine`: one device's rollout engine. The glue between the scheduler, the
+stepper, the workspace and the policy version guard; no Ray here."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workspace import DecodeCache, InferenceWorkspace, KVPool, PageAllocator, WorkspaceShape
+
+from .config import ModelConfig
+from .engine_config import EngineConfig
+from .kv_manager import KVManager
+from .loader import load_checkpoint
+from .model import Model
+from .outputs import RolloutOutput
+from .prompts import make_requests
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .stepper import Stepper
+from .tokenizer import TextCodec, find_stop
+from .version_guard import PolicyVersionGuard
+from .weight_update import WeightUpdater
+
+INFLIGHT_MODES = ("recompute", "keep", "drain", "restart")
+
+
+@dataclass(slots=True)
+class StepInfo:
+    """Passed to `step_callback` after every step, outside the guard."""
+
+    version: int  # policy version the step ran under
+    num_tokens: int  # tokens computed
+    num_sampled: int  # tokens sampled
+    num_running: int  # sequences holding KV after the step
+    num_waiting: int  # sequences queued for (re)admission
+    kv_pages_used: int
+
+
+class Engine:
+    """Samples `n` responses per prompt with per-token logprobs and policy versions.
+
+    Args mirror DESIGN section 3: `model_path` is a Hugging Face checkpoint
+    directory (config.json + safetensors, tokenizer optional). Bad arguments
+    raise `ValueError`/`TypeError` naming the field before anything is built.
+    Extra keywords: `page_size` (KV tokens per page), `max_step_tokens`
+    (tokens computed per step), `debug_decode_cache` (check the fast decode
+    path against the host path every step), `step_callback`.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype = "float32",
+        max_batch_size: int = 256,
+        max_seq_len: int | None = None,
+        kv_cache_tokens: int | None = None,
+        seed: int = 0,
+        *,
+        page_size: int = 16,
+        max_step_tokens: int | None = None,
+        debug_decode_cache: bool = False,
+        step_callback: Callable[[StepInfo], None] | None = None,
+    ) -> None:
+        self.model_config = ModelConfig.from_dir(model_path)
+        cfg = EngineConfig.resolve(
+            self.model_config,
+            device=device,
+            dtype=dtype,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            kv_cache_tokens=kv_cache_tokens,
+            seed=seed,
+            page_size=page_size,
+            max_step_tokens=max_step_tokens,
+        )
+        self.config = cfg
+        self.codec = TextCodec.from_dir(model_path, self.model_config.eos_token_ids)
+        self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len)
+        load_checkpoint(self.model, model_path)
+        self._build_runtime(debug_decode_cache)
+        self._guard = PolicyVersionGuard(0)
+        self._updater = WeightUpdater(self.model)
+        self._update_lock = threading.Lock()
+        self._rng = random.Random(cfg.seed)
+        self._request_ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self._stepping = threading.local()
+        self._step_callback = step_callback
+        self._closed = False
+
+    def _build_runtime(self, debug_decode_cache: bool) -> None:
+        cfg, mc = self.config, self.model_config
+        self.kv_pool = KVPool(
+            num_layers=mc.num_layers,
+            num_pages=cfg.num_pages,
+            page_size=cfg.page_size,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=cfg.dtype,
+            device=cfg.device,
+        )
+        shape = WorkspaceShape(cfg.max_step_tokens, cfg.max_batch_size, -(-cfg.max_seq_len // cfg.page_size))
+        self.workspace = InferenceWorkspace(shape, cfg.device)
+        self.decode_cache = DecodeCache(self.workspace, debug=debug_decode_cache)
+        self.stepper = Stepper(self.model, self.kv_pool, self.workspace, self.decode_cache)
+        self.scheduler = Scheduler(
+            KVManager(PageAllocator(cfg.num_pages, cfg.page_size)),
+            max_batch_size=cfg.max_batch_size,
+            max_step_tokens=cfg.max_step_tokens,
+            is_stop_text=self._stop_text if self.codec is not None else None,
+        )
+
+    # -- public API ----------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self._guard.version
+
+    @property
+    def tokenizer(self) -> TextCodec | None:
+        return self.codec
+
+    def generate(self, prompts, params: SamplingParams | None = None) -> list[RolloutOutput]:
+        """Sample `params.n` responses for each prompt; one `RolloutOutput` per
+        prompt, in prompt order. Prompts are all strings (needs a tokenizer)
+        or all lists of token ids. Safe to call from several threads at once:
+        their sequences share batches."""
+        self._check_open()
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        requests = make_requests(
+            prompts,
+            params,
+            self.config,
+            self.model_config,
+            self.codec,
+            self.scheduler.kv.page_size,
+            rng=self._rng,
+            request_ids=self._request_ids,
+            seq_ids=self._seq_ids,
+            make_seq=Sequence,
+        )
+        if not requests:
+            return []
+        with self._guard.held():
+            for r in requests:
+                self.scheduler.add(r)
+        try:
+            self._run_until_finished(requests)
+        except BaseException:
+            with self._guard.held():
+                self.scheduler.abort(requests)
+            raise
+        decode = self.codec.decode if self.codec is not None else None
+        return [r.to_output(decode) for r in requests]
+
+    def update_weights(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int | None = None,
+        inflight: str = "recompute",
+    ) -> int:
+        """Install new policy weights and return the new policy version.
+
+        `state_dict` uses the checkpoint's own names; a subset updates only
+        those tensors. Everything is validated (names, shapes, dtypes,
+        finiteness, version order) and staged before the guard is taken; a
+        rejected update leaves weights and version exactly as they were.
+        `inflight` says what happens to sequences mid-generation (see
+        DESIGN section 3). May be called from another thread while
+        `generate` runs.
+        """
+        self._check_open()
+        if inflight not in INFLIGHT_MODES:
+            raise ValueError(f"inflight must be one of {INFLIGHT_MODES}, got {inflight!r}")
+        self._guard.check_next(version)
+        if inflight == "drain" and getattr(self._stepping, "active", False):
+            raise RuntimeError("update_weights(inflight='drain') from inside generate would wait on itself")
+        with self._update_lock:
+            staged = self._updater.stage(self._updater.validate(state_dict))
+
+            def apply(_: int) -> None:
+                self._updater.commit(staged)
+                self.scheduler.on_weights_committed(inflight)
+                self.decode_cache.invalidate()
+
+            if inflight != "drain":
+                return self._guard.commit(version, apply)
+            with self._guard.held():
+                self.scheduler.draining = True
+                try:
+                    self._guard.wait_for(lambda: not self.scheduler.has_inflight, None)
+                    return self._guard.commit(version, apply)
+                finally:
+                    self.scheduler.draining = False
+                    self._guard.notify()
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters for monitoring: tokens computed, prefix hits, preemptions, KV use."""
+        st = self.scheduler.stats
+        alloc = self.scheduler.kv.allocator
+        return {
+            "policy_version": self.policy_version,
+            "computed_tokens": st.computed_tokens,
+            "prompt_tokens": st.prompt_tokens,
+            "prefix_hit_tokens": st.prefix_hit_tokens,
+            "preemptions": st.preemptions,
+            "kv_pages_total": alloc.num_pages,
+            "kv_pages_used": alloc.num_used,
+            "decode_cache_hits": self.decode_cache.hits,
+            "decode_cache_misses": self.decode_cache.misses,
+        }
+
+    def close(self) -> None:
+        """Release the KV pool and workspace; later calls raise."""
+        with self._guard.held():
+            self._closed = True
+            del self.kv_pool, self.workspace, self.stepper
+
+    # -- internals -----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+
+    def _run_until_finished(self, requests) -> None:
+        self._stepping.active = True
+        try:
+            while True:
+                info = self._one_step(requests)
+                if info is None:
+                    return
+                if self._step_callback is not None and info.num_tokens:
+                    self._step_callback(info)
+        finally:
+            self._stepping.active = False
+
+    def _one_step(self, requests) -> StepInfo | None:
+        with self._guard.step() as version:
+            if all(r.is_finished for r in requests):
+                return None
+            plan = self.scheduler.schedule(version)
+            if plan.chunks:
+                result = self.stepper.step(plan)
+                self.scheduler.update(plan, result)
+            elif not self.scheduler.blocked_by_drain():
+                raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
+            info = StepInfo(
+                version,
+                plan.num_tokens,
+                len(plan.samplers),
+                len(self.scheduler.running),
+                len(self.scheduler.waiting),
+                self.scheduler.kv.allocator.num_used,
+            )
+        if not plan.chunks:
+            # A drain is pending and only new requests remain: wait for its commit.
+            self._guard.wait_for(lambda: not self.scheduler.blocked_by_drain(), timeout=1.0)
+        return info
+
+    def _stop_text(self, seq: Sequence) -> int | None:
+        return find_stop(self.codec.decode(seq.output_token_ids), seq.request.params.stop)

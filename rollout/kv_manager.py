@@ -1,0 +1,91 @@
+"""Sequence-level KV page management on top of the page allocator: growing
+a sequence's block table, copy-on-write of shared pages, forking a group,
+prefix-cache lookups and registration."""
+
+from __future__ import annotations
+
+from workspace import PageAllocator, page_hash
+
+from .sequence import Sequence
+
+
+class KVManager:
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def reserve(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> bool:
+        """Make room for positions `[num_computed, num_computed + num_new)`.
+
+        Appends fresh pages, and copies the page about to be written when
+        another sequence shares it (recording `(src, dst)` in `copies`).
+        Returns False, changing nothing, when the pool cannot supply enough.
+        """
+        start = seq.num_computed_tokens
+        grow = self.pages_for(start + num_new) - len(seq.block_table)
+        first = start // self.page_size
+        cow = first < len(seq.block_table) and self.allocator.refcount(seq.block_table[first]) > 1
+        if grow + cow > self.allocator.num_free:
+            return False
+        if cow:
+            old = seq.block_table[first]
+            new = self.allocator.allocate()
+            copies.append((old, new))
+            self.allocator.decref(old)
+            seq.block_table[first] = new
+        for _ in range(grow):
+            seq.block_table.append(self.allocator.allocate())
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every page of `parent` (copy-on-write later)."""
+        for page in parent.block_table:
+            self.allocator.incref(page)
+        child.block_table = list(parent.block_table)
+        child.page_keys = list(parent.page_keys)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.cacheable = parent.cacheable
+
+    def free(self, seq: Sequence) -> None:
+        for page in seq.block_table:
+            self.allocator.decref(page)
+        seq.block_table.clear()
+        seq.page_keys.clear()
+        seq.num_computed_tokens = 0
+
+    def match_prefix(self, seq: Sequence, version: int) -> int:
+        """Attach cached pages for the longest cached prefix of a sequence with
+        no KV; returns the tokens covered. The last token is never covered, so
+        at least one token is computed (and sampled from)."""
+        assert not seq.block_table
+        parent = b""
+        ps = self.page_size
+        while (len(seq.block_table) + 1) * ps <= seq.num_tokens - 1:
+            i = len(seq.block_table)
+            key = page_hash(parent, version, seq.token_ids[i * ps : (i + 1) * ps])
+            page = self.allocator.lookup(key)
+            if page is None:
+                break
+            seq.block_table.append(page)
+            seq.page_keys.append(key)
+            parent = key
+        seq.num_computed_tokens = len(seq.block_table) * ps
+        return seq.num_computed_tokens
+
+    def register(self, seq: Sequence, version: int) -> None:
+        """Publish the sequence's newly completed full pages to the prefix cache."""
+        if not seq.cacheable:
+            return
+        ps = self.page_size
+        full = seq.num_computed_tokens // ps
+        for i in range(len(seq.page_keys), full):
+            parent = seq.page_keys[-1] if seq.page_keys else b""
+            key = page_hash(parent, version, seq.token_ids[i * ps : (i + 1) * ps])
+            seq.page_keys.append(key)
+            self.allocator.register(seq.block_table[i], key)
+
+    def clear_prefix_cache(self) -> None:
+        self.allocator.clear_cache()

@@ -1,0 +1,166 @@
+"""The Llama-family decoder (llama, qwen2, qwen3, mistral) on paged KV.
+
+q/k/v and gate/up projections are fused into one matrix each; `weight_slots`
+maps every checkpoint tensor name onto its rows of a fused parameter, which
+the loader and weight updates both use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workspace import KVPool
+
+from .attention import AttentionMetadata, paged_attention
+from .config import ModelConfig
+from .rope import RotaryTable
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSlot:
+    """Where one checkpoint tensor lives: rows `[start, start + rows)` of `param`."""
+
+    param_name: str  # name of the (possibly fused) live parameter
+    param: torch.Tensor  # the live parameter
+    start: int  # first row along dim 0
+    rows: int  # number of rows along dim 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.param.shape[1:])
+
+    def view(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        """This slot's rows of `tensor` (default: the live parameter)."""
+        target = self.param if tensor is None else tensor
+        return target.narrow(0, self.start, self.rows)
+
+
+def _empty(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as the reference: normalise in float32, cast
+    # back, then scale, so low-precision dtypes round identically.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+        self.input_norm = _empty(h, dtype=dtype, device=device)
+        self.qkv = _empty(qkv, h, dtype=dtype, device=device)
+        self.qkv_bias = _empty(qkv, dtype=dtype, device=device) if cfg.attention_bias else None
+        self.q_norm = _empty(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.k_norm = _empty(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.o_proj = _empty(h, cfg.q_size, dtype=dtype, device=device)
+        self.o_bias = _empty(h, dtype=dtype, device=device) if cfg.o_bias else None
+        self.post_norm = _empty(h, dtype=dtype, device=device)
+        self.gate_up = _empty(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
+        self.down = _empty(h, cfg.intermediate_size, dtype=dtype, device=device)
+
+
+class Model(nn.Module):
+    """Decoder weights plus the forward pass of one flattened step."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = _empty(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        )
+        self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions, dtype, device)
+        self.scale = cfg.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVPool,
+        sample_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """float32 logits `[R, vocab]` of the token rows `sample_rows` `[R]`.
+
+        `input_ids`, `positions`: `[T]`, the step's flattened tokens.
+        """
+        h = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), positions, meta, kv)
+            h = h + self._mlp(layer, rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps))
+        h = rms_norm(h.index_select(0, sample_rows), self.norm, self.cfg.rms_norm_eps)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(h, head).float()
+
+    def _attention(self, i, layer, x, positions, meta, kv) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q, k = self.rotary.apply(q, k, positions)
+        kv.write(i, meta.slot_mapping, k, v)
+        o = paged_attention(q, i, kv, meta, self.scale, cfg.sliding_windows[i])
+        return F.linear(o.reshape(t, cfg.q_size), layer.o_proj, layer.o_bias)
+
+    @staticmethod
+    def _mlp(layer, x) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)
+
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        """Checkpoint (Hugging Face) tensor name -> where it lives here.
+
+        With tied embeddings `lm_head.weight` maps onto the embedding too,
+        so a full `state_dict()` of the reference model is accepted.
+        """
+        cfg = self.cfg
+        slots: dict[str, WeightSlot] = {}
+
+        def add(name: str, pname: str, param, start: int = 0, rows: int | None = None) -> None:
+            slots[name] = WeightSlot(pname, param, start, param.shape[0] if rows is None else rows)
+
+        add("model.embed_tokens.weight", "embed", self.embed)
+        add("model.norm.weight", "norm", self.norm)
+        add(
+            "lm_head.weight",
+            "embed" if self.lm_head is None else "lm_head",
+            self.embed if self.lm_head is None else self.lm_head,
+        )
+        qkv_rows = {"q": (0, cfg.q_size), "k": (cfg.q_size, cfg.kv_size), "v": (cfg.q_size + cfg.kv_size, cfg.kv_size)}
+        for i, layer in enumerate(self.layers):
+            p, lp = f"model.layers.{i}.", f"layers.{i}."
+            add(p + "input_layernorm.weight", lp + "input_norm", layer.input_norm)
+            add(p + "post_attention_layernorm.weight", lp + "post_norm", layer.post_norm)
+            add(p + "self_attn.o_proj.weight", lp + "o_proj", layer.o_proj)
+            add(p + "mlp.down_proj.weight", lp + "down", layer.down)
+            if layer.o_bias is not None:
+                add(p + "self_attn.o_proj.bias", lp + "o_bias", layer.o_bias)
+            for proj, (start, rows) in qkv_rows.items():
+                add(p + f"self_attn.{proj}_proj.weight", lp + "qkv", layer.qkv, start, rows)
+                if layer.qkv_bias is not None:
+                    add(p + f"self_attn.{proj}_proj.bias", lp + "qkv_bias", layer.qkv_bias, start, rows)
+            if layer.q_norm is not None:
+                add(p + "self_attn.q_norm.weight", lp + "q_norm", layer.q_norm)
+                add(p + "self_attn.k_norm.weight", lp + "k_norm", layer.k_norm)
+            inter = cfg.intermediate_size
+            add(p + "mlp.gate_proj.weight", lp + "gate_up", layer.gate_up, 0, inter)
+            add(p + "mlp.up_proj.weight", lp + "gate_up", layer.gate_up, inter, inter)
+        return slots

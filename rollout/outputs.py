@@ -1,0 +1,27 @@
+"""Result types of `generate`: one `RolloutOutput` per prompt, `n` `Sample`s each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(slots=True)
+class Sample:
+    """One sampled response."""
+
+    token_ids: list[int]  # generated tokens (a stop token that ended the sample included)
+    logprobs: list[float]  # log-probability of each token, per the request's logprobs_mode
+    versions: list[int]  # policy version whose weights produced each token
+    finish_reason: str  # "stop" (stop token or string), "length" (max_tokens or context), "abort"
+    text: str | None = None  # decoded response when a tokenizer is present (stop string cut off)
+
+
+@dataclass(slots=True)
+class RolloutOutput:
+    """All samples of one prompt, in sample order."""
+
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+    prompt: str | None = None  # the prompt text, when it was given as text

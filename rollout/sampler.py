@@ -1,0 +1,104 @@
+"""Batched sampling in tensor ops only: temperature, top-k, top-p, min-p,
+per-row counter-based randomness, and the three logprob modes.
+
+Randomness is a pure function of (seed, sample index, output position), so a
+seeded request draws the same numbers alone or inside any batch, and a
+preempted sequence recomputed later draws what it would have drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODE_CODES = {"processed": 0, "raw": 1, "scaled": 2}
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # PCG-RXS-M-XS on 32-bit values held in int64 (products stay below 2**63).
+    state = (x * 747796405 + 2891336453) & _M32
+    word = ((state >> ((state >> 28) + 4)) ^ state) * 277803737 & _M32
+    return ((word >> 22) ^ word) & _M32
+
+
+def counter_uniform(seed: torch.Tensor, stream: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in [0, 1), one per row, from int64 `seed`, `stream`, `counter`."""
+    h = _mix32(counter & _M32)
+    h = _mix32(h ^ (stream & _M32))
+    h = _mix32(h ^ (seed & _M32))
+    h = _mix32(h ^ ((seed >> 32) & _M32))
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters (device tensors `[R]`) plus host-known flags."""
+
+    temperature: torch.Tensor  # float32, 0 = greedy
+    top_k: torch.Tensor  # int64, 0 = off
+    top_p: torch.Tensor  # float32, 1 = off
+    min_p: torch.Tensor  # float32, 0 = off
+    seed: torch.Tensor  # int64
+    sample_index: torch.Tensor  # int64: which of the request's n samples (RNG stream)
+    rng_pos: torch.Tensor  # int64: index of the output token being sampled (RNG counter)
+    mode: torch.Tensor  # int64 MODE_CODES
+    any_filter: bool  # some row uses top-k, top-p or min-p
+    any_greedy: bool  # some row has temperature 0
+    all_greedy: bool  # every row has temperature 0
+
+
+def sample(logits: torch.Tensor, p: SamplingBatch, out_tokens: torch.Tensor, out_logprobs: torch.Tensor) -> None:
+    """Sample one token per row of float32 `logits` `[R, V]` into `out_tokens`,
+    its log-probability (per row mode) into `out_logprobs`."""
+    lse_raw = torch.logsumexp(logits, dim=-1)
+    greedy_tokens = logits.argmax(dim=-1) if p.any_greedy else None
+    if p.all_greedy:
+        out_tokens.copy_(greedy_tokens)
+        out_logprobs.copy_(logits.gather(1, greedy_tokens[:, None]).squeeze(1) - lse_raw)
+        return
+    greedy = p.temperature == 0
+    temperature = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
+    scaled = logits / temperature[:, None]
+    u = counter_uniform(p.seed, p.sample_index, p.rng_pos)
+    if p.any_filter:
+        tokens, processed = _sample_filtered(scaled, p, u)
+    else:
+        tokens, processed = _sample_plain(scaled, u)
+    if greedy_tokens is not None:
+        tokens = torch.where(greedy, greedy_tokens, tokens)
+    picked = tokens[:, None]
+    raw = logits.gather(1, picked).squeeze(1) - lse_raw
+    scaled_lp = scaled.gather(1, picked).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+    if not p.any_filter:
+        processed = scaled_lp
+    lp = torch.where(p.mode == MODE_CODES["scaled"], scaled_lp, processed)
+    lp = torch.where(p.mode == MODE_CODES["raw"], raw, lp)
+    out_tokens.copy_(tokens)
+    out_logprobs.copy_(torch.where(greedy, raw, lp))
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    cdf = probs.cumsum(dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+
+
+def _sample_plain(scaled: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return _inverse_cdf(torch.softmax(scaled, dim=-1), u).squeeze(1), None
+
+
+def _sample_filtered(scaled: torch.Tensor, p: SamplingBatch, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    keep = (p.top_k[:, None] == 0) | (ranks < p.top_k[:, None])
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    keep &= (p.top_p[:, None] >= 1) | (before < p.top_p[:, None])
+    keep &= probs >= p.min_p[:, None] * probs[:, :1]
+    keep[:, 0] = True
+    kept = sorted_logits.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(kept, dim=-1, keepdim=True)
+    pos = _inverse_cdf(torch.exp(kept - lse), u)
+    return order.gather(1, pos).squeeze(1), (kept.gather(1, pos) - lse).squeeze(1)

@@ -1,0 +1,109 @@
+"""`SamplingParams`: how to sample the responses of one prompt."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+LOGPROBS_MODES = ("processed", "raw", "scaled")
+MAX_SEED = 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling settings shared by the `n` samples of each prompt.
+
+    Filters apply in the order temperature, top-k, top-p, min-p, each
+    renormalising the distribution. Every field is validated on
+    construction: a bad value raises `ValueError`/`TypeError` naming it.
+    """
+
+    n: int = 1  # samples per prompt (a GRPO group)
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set reaching this mass (crossing token included)
+    min_p: float = 0.0  # keep tokens with p >= min_p * p_max
+    max_tokens: int = 256  # per sample; capped by the context length, never an error
+    stop_token_ids: list[int] | None = None  # plus the tokenizer's eos unless ignore_eos
+    stop: list[str] | str | None = None  # stop strings (need a tokenizer)
+    ignore_eos: bool = False
+    seed: int | None = None  # per-request seed: same tokens whatever else is batched
+    logprobs_mode: str = "processed"  # "processed" | "raw" | "scaled", see DESIGN section 3
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1)
+        if not _is_real(self.temperature):
+            raise TypeError(f"temperature must be a number >= 0, got {type(self.temperature).__name__}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        _check_int("top_k", self.top_k, 0, "(0 = off)")
+        if not _is_real(self.top_p):
+            raise TypeError(f"top_p must be a number in (0, 1], got {type(self.top_p).__name__}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.min_p):
+            raise TypeError(f"min_p must be a number in [0, 1], got {type(self.min_p).__name__}")
+        if not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check_int("max_tokens", self.max_tokens, 1)
+        self.stop_token_ids = _token_list(self.stop_token_ids)
+        self.stop = _stop_strings(self.stop)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, f"and <= {MAX_SEED}, or None")
+            if self.seed > MAX_SEED:
+                raise ValueError(f"seed must be in [0, {MAX_SEED}] or None, got {self.seed}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_filters(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+def _check_int(name: str, value: object, low: int, extra: str = "") -> None:
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int >= {low} {extra}".rstrip() + f", got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low} {extra}".rstrip() + f", got {value}")
+
+
+def _token_list(ids: object) -> list[int] | None:
+    if ids is None:
+        return None
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"stop_token_ids must be a list of ints or None, got {type(ids).__name__}")
+    out = list(ids)
+    for t in out:
+        if not _is_int(t):
+            raise TypeError(f"stop_token_ids must hold ints, got {t!r} ({type(t).__name__})")
+        if t < 0:
+            raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t}")
+    return out
+
+
+def _stop_strings(stop: object) -> list[str] | None:
+    if stop is None:
+        return None
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(f"stop must be a string, a list of strings or None, got {type(stop).__name__}")
+    for s in items:
+        if not isinstance(s, str):
+            raise TypeError(f"stop must hold strings, got {s!r} ({type(s).__name__})")
+        if not s:
+            raise ValueError("stop strings must be non-empty")
+    return list(items) or None

@@ -1,0 +1,278 @@
+"""Continuous batching: which sequences compute which tokens in the next step.
+
+Every step, running sequences continue (a decode token, or the next chunk of
+a prefill) oldest first, then waiting ones are admitted while the token
+budget, the batch size and free KV pages allow. When pages run out, the
+youngest running sequences are preempted: their pages are freed and they
+are recomputed later from their tokens, never dropped. Only the scheduler
+changes request state; the stepper takes a plan and returns tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .kv_manager import KVManager
+from .sequence import Request, SeqStatus, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Tokens of one sequence computed in a step."""
+
+    seq: Sequence  # whose tokens are computed (and whose pages receive their KV)
+    start: int  # first position computed: seq.num_computed_tokens when scheduled
+    length: int  # tokens computed this step
+    samplers: list[Sequence]  # sample a token from the chunk's last row: [], [seq] or [seq, *forks]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step computes."""
+
+    chunks: list[ScheduledChunk]  # in schedule order
+    page_copies: list[tuple[int, int]]  # (src, dst) copy-on-write page copies to run first
+    version: int  # policy version the step runs under
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    @property
+    def samplers(self) -> list[Sequence]:
+        return [s for c in self.chunks for s in c.samplers]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the stepper returns: one entry per sampler row of the plan, in order."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    version: int  # policy version whose weights produced the tokens
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    computed_tokens: int = 0  # every token whose KV was computed
+    prompt_tokens: int = 0  # of those, prompt positions (a group's prompt counts once)
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVManager,
+        *,
+        max_batch_size: int,
+        max_step_tokens: int,
+        is_stop_text: Callable[[Sequence], int | None] | None = None,
+    ) -> None:
+        self.kv = kv
+        self.max_batch_size = max_batch_size
+        self.max_step_tokens = max_step_tokens
+        self._stop_text = is_stop_text  # index where a stop string starts in the output text, or None
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: list[Request] = []  # unfinished, in arrival order
+        self.draining = False  # admit no new request until in-flight ones finish
+        self.stats = SchedulerStats()
+        self._admissions = 0
+
+    # -- queue ---------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.group(request.samples)
+        self.requests.append(request)
+        self.waiting.append(request.leader)
+
+    @property
+    def has_inflight(self) -> bool:
+        return any(r.started for r in self.requests)
+
+    @property
+    def num_slots_used(self) -> int:
+        return len(self.running) + sum(len(s.request.pending_forks) for s in self.running if s.request.leader is s)
+
+    def blocked_by_drain(self) -> bool:
+        return self.draining and not self.running and bool(self.waiting)
+
+    # -- schedule ------------------------------------------------------------------------
+    def schedule(self, version: int) -> StepPlan:
+        plan = StepPlan([], [], version)
+        budget = self.max_step_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._reserve_or_preempt(seq, n, plan):
+                plan.chunks.append(self._chunk(seq, n))
+                budget -= n
+                i += 1
+            else:
+                preempted = True
+        if not preempted:
+            self._admit(plan, budget, version)
+        plan.chunks.sort(key=lambda c: c.length == 1)  # prefills first: the layout attention expects
+        return plan
+
+    def _reserve_or_preempt(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
+        while not self.kv.reserve(seq, n, plan.page_copies):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, plan: StepPlan, budget: int, version: int) -> None:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            request = seq.request
+            if self.draining and not request.started:
+                break
+            forks = len(request.pending_forks) if request.leader is seq else 0
+            if self.num_slots_used + 1 + forks > self.max_batch_size:
+                break
+            hit = self.kv.match_prefix(seq, version) if seq.cacheable else 0
+            n = min(seq.num_uncomputed_tokens, budget)
+            need = self.kv.pages_for(seq.num_computed_tokens + n) - len(seq.block_table) + forks
+            if need > self.kv.allocator.num_free or not self.kv.reserve(seq, n, plan.page_copies):
+                self.kv.free(seq)
+                break
+            self.waiting.popleft()
+            self.stats.prefix_hit_tokens += hit
+            seq.status = SeqStatus.RUNNING
+            seq.admitted_at = self._admissions
+            self._admissions += 1
+            request.started = True
+            self.running.append(seq)
+            plan.chunks.append(self._chunk(seq, n))
+            budget -= n
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        samplers: list[Sequence] = []
+        if n == seq.num_uncomputed_tokens:
+            samplers.append(seq)
+            if seq.request.leader is seq:
+                samplers.extend(seq.request.pending_forks)
+        return ScheduledChunk(seq, seq.num_computed_tokens, n, samplers)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s pages and queue it (first) for recompute from its tokens."""
+        self._requeue(seq)
+        self.stats.preemptions += 1
+
+    # -- update --------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> None:
+        for chunk in plan.chunks:
+            chunk.seq.num_computed_tokens += chunk.length
+            self.stats.computed_tokens += chunk.length
+            self.stats.prompt_tokens += max(0, min(chunk.seq.num_prompt_tokens - chunk.start, chunk.length))
+            for s in chunk.samplers:
+                if s is not chunk.seq:
+                    self._fork(chunk.seq, s)
+            self.kv.register(chunk.seq, result.version)
+        finished = []
+        for s, token, logprob in zip(plan.samplers, result.tokens, result.logprobs, strict=True):
+            s.append(token, logprob, result.version)
+            reason = self._finish_reason(s, token)
+            if reason is not None:
+                finished.append((s, reason))
+        for s, reason in finished:
+            self.finish(s, reason)
+
+    def _fork(self, leader: Sequence, child: Sequence) -> None:
+        request = leader.request
+        request.pending_forks.remove(child)
+        if not request.pending_forks:
+            request.leader = None
+        self.kv.fork(leader, child)
+        child.status = SeqStatus.RUNNING
+        child.admitted_at = self._admissions
+        self._admissions += 1
+        self.running.append(child)
+
+    def _finish_reason(self, s: Sequence, token: int) -> str | None:
+        request = s.request
+        if token in request.stop_token_ids:
+            return "stop"
+        if request.params.stop and self._stop_text is not None:
+            cut = self._stop_text(s)
+            if cut is not None:
+                s.stop_text_end = cut
+                return "stop"
+        if s.num_output_tokens >= request.max_tokens:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.FORK_PENDING:
+            seq.request.pending_forks.remove(seq)
+        self.kv.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        request = seq.request
+        if request.leader is seq and request.pending_forks:
+            # The leader is gone before its prompt was shared: the next pending sample leads.
+            request.group(request.pending_forks)
+            self.waiting.appendleft(request.leader)
+            request.leader.status = SeqStatus.WAITING
+        if request.is_finished:
+            self.requests.remove(request)
+
+    # -- weight commits ------------------------------------------------------------------
+    def on_weights_committed(self, inflight: str) -> None:
+        """Apply an in-flight mode to the sequences a weight commit finds.
+
+        keep:      running sequences go on with their KV; it mixes versions now,
+                   so their pages are never published to the prefix cache.
+        recompute: running sequences drop their KV and are recomputed from their
+                   tokens under the new weights, then continue.
+        restart:   every in-flight sample drops its outputs and starts over.
+        drain:     nothing is in flight by the time the commit runs.
+        """
+        self.kv.clear_prefix_cache()
+        if inflight == "keep":
+            for s in self.running:
+                s.cacheable = False
+        elif inflight == "recompute":
+            for s in reversed(list(self.running)):
+                self._requeue(s)
+        elif inflight == "restart":
+            for request in reversed([r for r in self.requests if r.started]):
+                self._restart(request)
+
+    def _requeue(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.cacheable = True
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _restart(self, request: Request) -> None:
+        members = [s for s in request.samples if not s.is_finished]
+        for s in members:
+            if s.status is SeqStatus.RUNNING:
+                self.running.remove(s)
+            elif s.status is SeqStatus.WAITING:
+                self.waiting.remove(s)
+            self.kv.free(s)
+            s.cacheable = True
+            s.reset_outputs()
+        request.group(members)
+        request.leader.status = SeqStatus.WAITING
+        self.waiting.appendleft(request.leader)
+
+    def abort(self, requests: list[Request]) -> None:
+        """Finish every unfinished sample of `requests` with reason "abort"."""
+        for request in requests:
+            for s in request.samples:
+                if not s.is_finished:
+                    self.finish(s, "abort")

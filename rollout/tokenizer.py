@@ -1,0 +1,64 @@
+"""Text in and text out: a thin wrapper over a `tokenizer.json` (the
+`tokenizers` library), with the checkpoint's eos ids and stop-string search."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+
+class TextCodec:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...]) -> None:
+        self._tok = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    @classmethod
+    def from_dir(cls, path: str | Path, config_eos: tuple[int, ...]) -> TextCodec | None:
+        """The checkpoint's tokenizer, or None when it ships no `tokenizer.json`.
+
+        eos ids come from config.json / generation_config.json; when those
+        name none, from the `eos_token` of tokenizer_config.json.
+        """
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            return None
+        try:
+            tok = Tokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises its own exception type
+            raise ValueError(f"tokenizer.json in {str(path)!r} cannot be loaded: {e}") from None
+        eos = config_eos or _eos_from_tokenizer_config(path, tok)
+        return cls(tok, eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, special tokens (e.g. BOS) added as the tokenizer specifies."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def find_stop(text: str, stops: list[str], search_from: int = 0) -> int | None:
+    """Index of the earliest stop string in `text` at or after `search_from`, or None."""
+    found = [i for s in stops if (i := text.find(s, search_from)) >= 0]
+    return min(found) if found else None
+
+
+def _eos_from_tokenizer_config(path: Path, tok: Tokenizer) -> tuple[int, ...]:
+    file = path / "tokenizer_config.json"
+    if not file.is_file():
+        return ()
+    try:
+        eos = json.loads(file.read_text()).get("eos_token")
+    except (json.JSONDecodeError, AttributeError):
+        return ()
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    token_id = tok.token_to_id(eos) if isinstance(eos, str) else None
+    return () if token_id is None else (token_id,)

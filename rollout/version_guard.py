@@ -1,0 +1,73 @@
+"""`PolicyVersionGuard`: the policy version counter and the one mutex that
+separates generation steps from weight commits.
+
+Every Stepper call runs holding the guard; a weight commit takes it between
+two steps. Validation and staging happen before the guard is taken, so a
+commit holds it only for the final copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+class PolicyVersionGuard:
+    def __init__(self, version: int = 0) -> None:
+        self._cond = threading.Condition(threading.RLock())
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        """The policy version of the live weights (monotonic)."""
+        return self._version
+
+    def check_next(self, requested: int | None) -> int:
+        """The version a commit would install: `requested`, or current + 1.
+
+        Raises `TypeError`/`ValueError` unless `requested` is None or an int
+        greater than the current version.
+        """
+        if requested is None:
+            return self._version + 1
+        if isinstance(requested, bool) or not isinstance(requested, int):
+            raise TypeError(f"version must be an int > {self._version} or None, got {type(requested).__name__}")
+        if requested <= self._version:
+            raise ValueError(f"version must be > the current policy version {self._version}, got {requested}")
+        return requested
+
+    @contextmanager
+    def step(self) -> Iterator[int]:
+        """Hold the guard for one step; yields the version the step runs under."""
+        with self._cond:
+            yield self._version
+            self._cond.notify_all()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._cond:
+            yield
+
+    def commit(self, requested: int | None, apply: Callable[[int], None]) -> int:
+        """Under the guard: re-check the version order, run `apply(version)`
+        (the weight copy and in-flight handling), then publish the version."""
+        with self._cond:
+            version = self.check_next(requested)
+            apply(version)
+            self._version = version
+            self._cond.notify_all()
+            return version
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """Release the guard until `predicate()` holds (checked under it) or `timeout` s pass."""
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout)
+
+    def wait(self, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait(timeout)
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()

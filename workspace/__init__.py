@@ -1,0 +1,20 @@
+"""Everything that owns device memory for one engine: the paged KV pool and
+its page allocator, the preallocated per-step buffers and the decode cache.
+Nothing here knows the engine."""
+
+from .buffers import BUFFER_NAMES, InferenceWorkspace, WorkspaceShape
+from .decode_cache import DecodeCache, DecodeCacheMismatch, DecodeRows
+from .kv_pool import KVPool
+from .page_allocator import PageAllocator, page_hash
+
+__all__ = [
+    "BUFFER_NAMES",
+    "DecodeCache",
+    "DecodeCacheMismatch",
+    "DecodeRows",
+    "InferenceWorkspace",
+    "KVPool",
+    "PageAllocator",
+    "WorkspaceShape",
+    "page_hash",
+]

@@ -1,0 +1,60 @@
+"""The paged KV pool: one K and one V tensor per layer, split into fixed-size
+pages, allocated once at start-up and only indexed afterwards."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K/V storage of shape `[num_layers, num_pages, page_size, num_kv_heads, head_dim]`.
+
+    A token's *slot* is `page * page_size + offset`; writes scatter by slot,
+    reads gather whole pages by a block table. Pages start zeroed so padded
+    reads past a sequence's end are finite (they are masked, and a masked
+    NaN would still poison the weighted sum of values).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store `k`, `v` of shape `[T, num_kv_heads, head_dim]` at `slots` `[T]`."""
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        self.k[layer].view(flat).index_copy_(0, slots, k)
+        self.v[layer].view(flat).index_copy_(0, slots, v)
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the pages in `block_table` (`[..., P]`), as `[..., P * page_size, H, D]`."""
+        shape = (*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
+        return self.k[layer][block_table].view(shape), self.v[layer][block_table].view(shape)
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole pages `src[i] -> dst[i]` in every layer (copy-on-write)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
