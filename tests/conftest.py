@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.factories import FAMILIES, make_checkpoint
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+class Checkpoint:
+    """A tiny checkpoint on disk and the transformers model that wrote it."""
+
+    def __init__(self, path, hf):
+        self.path = path
+        self.hf = hf
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        path = tmp_path_factory.mktemp(f"ckpt_{family}")
+        out[family] = Checkpoint(path, make_checkpoint(path, family, seed=i))
+    return out
+
+
+@pytest.fixture(scope="session")
+def text_checkpoint(tmp_path_factory) -> Checkpoint:
+    """A qwen2 checkpoint with a character-level tokenizer."""
+    path = tmp_path_factory.mktemp("ckpt_text")
+    return Checkpoint(path, make_checkpoint(path, "qwen2", seed=11, tokenizer=True))
+
+
+@pytest.fixture(scope="session")
+def qwen2(checkpoints) -> Checkpoint:
+    return checkpoints["qwen2"]
+
+
+def make_engine(path, **kwargs):
+    from rollout import Engine
+
+    defaults = dict(device="cpu", max_batch_size=32, max_seq_len=256, kv_cache_tokens=8192)
+    return Engine(path, **{**defaults, **kwargs})

@@ -1,0 +1,118 @@
+"""The batched sampler against a float64 recompute and a chi-square test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from rollout.sampler import MODE_CODES, SamplingBatch, counter_uniform, sample
+from tests.reference import processed_logprobs
+
+
+def _batch(rows: int, *, temperature, top_k, top_p, min_p, mode="processed", seed=0, index=None, pos=None):
+    def col(values, dtype):
+        t = torch.as_tensor(values, dtype=dtype)
+        return t.expand(rows).clone() if t.dim() == 0 else t
+
+    temps = col(temperature, torch.float32)
+    top_ks, top_ps, min_ps = col(top_k, torch.int64), col(top_p, torch.float32), col(min_p, torch.float32)
+    greedy = temps == 0
+    return SamplingBatch(
+        temperature=temps,
+        top_k=top_ks,
+        top_p=top_ps,
+        min_p=min_ps,
+        seed=col(seed, torch.int64),
+        sample_index=torch.arange(rows) if index is None else col(index, torch.int64),
+        rng_pos=torch.zeros(rows, dtype=torch.int64) if pos is None else col(pos, torch.int64),
+        mode=col(MODE_CODES[mode], torch.int64) if isinstance(mode, str) else col(mode, torch.int64),
+        any_filter=bool(((top_ks > 0) | (top_ps < 1) | (min_ps > 0)).any()),
+        any_greedy=bool(greedy.any()),
+        all_greedy=bool(greedy.all()),
+    )
+
+
+def _run(logits, batch):
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    logprobs = torch.empty(logits.shape[0], dtype=torch.float32)
+    sample(logits, batch, tokens, logprobs)
+    return tokens, logprobs
+
+
+def test_processed_logprobs_match_float64_recompute():
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 96, 50
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.3
+    top_k = torch.randint(0, 12, (rows,), generator=g)
+    top_p = torch.where(torch.rand(rows, generator=g) < 0.3, 1.0, torch.rand(rows, generator=g) * 0.9 + 0.05)
+    min_p = torch.where(torch.rand(rows, generator=g) < 0.5, 0.0, torch.rand(rows, generator=g) * 0.3)
+    batch = _batch(rows, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=3)
+    tokens, logprobs = _run(logits, batch)
+    for r in range(rows):
+        ref = processed_logprobs(logits[r], temperature[r].item(), top_k[r].item(), top_p[r].item(), min_p[r].item())
+        assert torch.isfinite(ref[tokens[r]]), f"row {r}: sampled a token the filters drop"
+        assert abs(ref[tokens[r]].item() - logprobs[r].item()) < 2e-5, f"row {r}"
+
+
+def test_raw_and_scaled_modes_and_greedy():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 30, generator=g) * 2
+    temps = torch.tensor([0.7, 0.7, 0.7, 0.0, 0.0, 1.3])
+    modes = torch.tensor([MODE_CODES[m] for m in ("raw", "scaled", "processed", "scaled", "processed", "scaled")])
+    batch = _batch(6, temperature=temps, top_k=5, top_p=1.0, min_p=0.0, mode=modes)
+    tokens, logprobs = _run(logits, batch)
+    raw = torch.log_softmax(logits.double(), -1)
+    scaled = torch.log_softmax(logits.double() / temps.clamp(min=1e-9).double()[:, None], -1)
+    pick = tokens[:, None]
+    expected = [raw[0], scaled[1], None, raw[3], raw[4], scaled[5]]
+    for r, ref in enumerate(expected):
+        if ref is not None:
+            assert abs(ref.gather(0, pick[r]).item() - logprobs[r].item()) < 1e-5, f"row {r}"
+    assert tokens[3] == logits[3].argmax() and tokens[4] == logits[4].argmax()
+
+
+def test_all_greedy_batch():
+    logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(2))
+    tokens, logprobs = _run(logits, _batch(4, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0))
+    assert torch.equal(tokens, logits.argmax(-1))
+    ref = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None]).squeeze(1)
+    assert torch.allclose(logprobs.double(), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [(1.0, 0, 1.0, 0.0), (0.8, 6, 0.9, 0.0), (1.2, 0, 0.75, 0.05), (1.0, 0, 1.0, 0.1)],
+)
+def test_sampled_frequencies_follow_processed_distribution(temperature, top_k, top_p, min_p):
+    logits = torch.tensor([2.0, 1.5, 1.2, 0.8, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0])
+    draws = 40_000
+    batch = _batch(draws, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=12345)
+    tokens, _ = _run(logits.expand(draws, -1).contiguous(), batch)
+    counts = torch.bincount(tokens, minlength=logits.numel()).double()
+    ref = processed_logprobs(logits, temperature, top_k, top_p, min_p).exp()
+    kept = ref > 0
+    assert counts[~kept].sum() == 0, "sampled a token the filters drop"
+    expected = ref[kept] * draws
+    assert stats.chisquare(counts[kept], expected).pvalue > 1e-3
+    # Power check: the same counts reject the unfiltered distribution when filters are on.
+    if kept.sum() < logits.numel() or temperature != 1.0:
+        unfiltered = torch.softmax(logits.double(), -1) * draws
+        assert stats.chisquare(counts, unfiltered).pvalue < 1e-6
+
+
+def test_counter_uniform_is_deterministic_and_uniform():
+    n = 200_000
+    seed = torch.full((n,), 987654321987, dtype=torch.int64)
+    stream = torch.arange(n) % 8
+    counter = torch.arange(n) // 8
+    u = counter_uniform(seed, stream, counter)
+    assert torch.equal(u, counter_uniform(seed, stream, counter))
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    assert stats.kstest(u.double().numpy(), "uniform").pvalue > 1e-3
+    # Neighbouring streams and counters are uncorrelated.
+    a, b = u[0::8].double(), u[1::8].double()
+    assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1]) < 0.02
+    other = counter_uniform(seed + 1, stream, counter)
+    assert not torch.equal(u, other)
