@@ -51,7 +51,12 @@ class SamplingBatch:
 
 def sample(logits: torch.Tensor, p: SamplingBatch, out_tokens: torch.Tensor, out_logprobs: torch.Tensor) -> None:
     """Sample one token per row of float32 `logits` `[R, V]` into `out_tokens`,
-    its log-probability (per row mode) into `out_logprobs`."""
+    its log-probability (per row mode) into `out_logprobs`.
+
+    Filters only mask tokens out; every row then inverts the CDF of its
+    final distribution in vocabulary order, so a row's token depends on its
+    own logits and uniform alone, never on which path its batch took.
+    """
     lse_raw = torch.logsumexp(logits, dim=-1)
     greedy_tokens = logits.argmax(dim=-1) if p.any_greedy else None
     if p.all_greedy:
@@ -61,18 +66,15 @@ def sample(logits: torch.Tensor, p: SamplingBatch, out_tokens: torch.Tensor, out
     greedy = p.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
     scaled = logits / temperature[:, None]
+    final = _apply_filters(scaled, p) if p.any_filter else scaled
     u = counter_uniform(p.seed, p.sample_index, p.rng_pos)
-    if p.any_filter:
-        tokens, processed = _sample_filtered(scaled, p, u)
-    else:
-        tokens, processed = _sample_plain(scaled, u)
+    tokens = _inverse_cdf(torch.softmax(final, dim=-1), u)
     if greedy_tokens is not None:
         tokens = torch.where(greedy, greedy_tokens, tokens)
     picked = tokens[:, None]
     raw = logits.gather(1, picked).squeeze(1) - lse_raw
     scaled_lp = scaled.gather(1, picked).squeeze(1) - torch.logsumexp(scaled, dim=-1)
-    if not p.any_filter:
-        processed = scaled_lp
+    processed = final.gather(1, picked).squeeze(1) - torch.logsumexp(final, dim=-1) if p.any_filter else scaled_lp
     lp = torch.where(p.mode == MODE_CODES["scaled"], scaled_lp, processed)
     lp = torch.where(p.mode == MODE_CODES["raw"], raw, lp)
     out_tokens.copy_(tokens)
@@ -82,14 +84,11 @@ def sample(logits: torch.Tensor, p: SamplingBatch, out_tokens: torch.Tensor, out
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(dim=-1)
     target = (u * cdf[:, -1])[:, None]
-    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
-def _sample_plain(scaled: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return _inverse_cdf(torch.softmax(scaled, dim=-1), u).squeeze(1), None
-
-
-def _sample_filtered(scaled: torch.Tensor, p: SamplingBatch, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _apply_filters(scaled: torch.Tensor, p: SamplingBatch) -> torch.Tensor:
+    """`scaled` with the tokens dropped by top-k, top-p and min-p set to -inf."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
     keep = (p.top_k[:, None] == 0) | (ranks < p.top_k[:, None])
@@ -98,7 +97,5 @@ def _sample_filtered(scaled: torch.Tensor, p: SamplingBatch, u: torch.Tensor) ->
     keep &= (p.top_p[:, None] >= 1) | (before < p.top_p[:, None])
     keep &= probs >= p.min_p[:, None] * probs[:, :1]
     keep[:, 0] = True
-    kept = sorted_logits.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(kept, dim=-1, keepdim=True)
-    pos = _inverse_cdf(torch.exp(kept - lse), u)
-    return order.gather(1, pos).squeeze(1), (kept.gather(1, pos) - lse).squeeze(1)
+    keep_vocab = torch.empty_like(keep).scatter_(1, order, keep)
+    return scaled.masked_fill(~keep_vocab, float("-inf"))
