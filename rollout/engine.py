@@ -160,6 +160,7 @@ class Engine:
         except BaseException:
             with self._guard.held():
                 self.scheduler.abort(requests)
+                self._guard.notify()  # a pending drain may be waiting on these
             raise
         decode = self.codec.decode if self.codec is not None else None
         return [r.to_output(decode) for r in requests]
@@ -250,7 +251,12 @@ class Engine:
                 return None
             plan = self.scheduler.schedule(version)
             if plan.chunks:
-                result = self.stepper.step(plan)
+                try:
+                    result = self.stepper.step(plan)
+                except BaseException:
+                    self.scheduler.recover()
+                    self.decode_cache.invalidate()
+                    raise
                 self.scheduler.update(plan, result)
             elif not self.scheduler.blocked_by_drain():
                 raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")

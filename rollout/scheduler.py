@@ -270,6 +270,14 @@ class Scheduler:
         request.leader.status = SeqStatus.WAITING
         self.waiting.appendleft(request.leader)
 
+    def recover(self) -> None:
+        """After a step failed midway: KV written by that step (and pages it
+        copied on write) cannot be trusted, so every running sequence drops
+        its KV and is recomputed from its tokens."""
+        self.kv.clear_prefix_cache()
+        for s in reversed(list(self.running)):
+            self._requeue(s)
+
     def abort(self, requests: list[Request]) -> None:
         """Finish every unfinished sample of `requests` with reason "abort"."""
         for request in requests:

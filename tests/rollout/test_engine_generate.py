@@ -196,3 +196,18 @@ def test_debug_decode_cache_checks_every_step(qwen2, n):
         [LONG, SHORT], SamplingParams(n=n, max_tokens=30, stop_token_ids=[20, 21], seed=4)
     )
     assert _tokens(outs) == _tokens(reference)
+
+
+def test_eos_from_generation_config_stops_too(tmp_path):
+    import json
+
+    from tests.factories import make_checkpoint
+
+    make_checkpoint(tmp_path, "qwen2", seed=5)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [40, 41]}))
+    engine = make_engine(tmp_path)
+    assert set(engine.model_config.eos_token_ids) == {2, 40, 41}
+    outs = engine.generate([SHORT, LONG], SamplingParams(n=8, max_tokens=40, seed=2))
+    stopped = [s for o in outs for s in o.samples if s.finish_reason == "stop"]
+    assert stopped and all(s.token_ids[-1] in (2, 40, 41) for s in stopped)
+    assert all(not {2, 40, 41} & set(s.token_ids[:-1]) for o in outs for s in o.samples)

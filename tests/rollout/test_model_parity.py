@@ -63,7 +63,7 @@ def test_greedy_tokens_match_transformers_argmax(checkpoints, family):
     assert checked > 60
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 0.1), (torch.float16, 0.02)])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 0.05), (torch.float16, 0.01)])
 def test_low_precision_dtypes_match_transformers_in_that_dtype(qwen2, dtype, tol):
     engine = make_engine(qwen2.path, dtype=dtype)
     outs = engine.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=24, ignore_eos=True, seed=3))

@@ -1,0 +1,104 @@
+"""Failures inside generate surface to the caller with their cause and leave
+the engine consistent: nothing half-applied, later calls serve exactly."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rollout import SamplingParams
+from tests.conftest import make_engine
+
+PROMPTS = [list(range(3, 30)), [5, 6, 7]]
+PARAMS = SamplingParams(n=3, max_tokens=16, ignore_eos=True, seed=8)
+
+
+def _snapshot(outs):
+    return [[(s.token_ids, s.logprobs, s.finish_reason) for s in o.samples] for o in outs]
+
+
+def _assert_same(got, expected):
+    """Same tokens and finish reasons; logprobs equal up to recompute noise."""
+    assert [[(t, r) for t, _, r in o] for o in got] == [[(t, r) for t, _, r in o] for o in expected]
+    for o, e in zip(got, expected, strict=True):
+        for (_, lp, _), (_, elp, _) in zip(o, e, strict=True):
+            assert max(abs(a - b) for a, b in zip(lp, elp, strict=True)) < 1e-5
+
+
+def test_failing_step_surfaces_and_engine_recovers(qwen2, monkeypatch):
+    engine = make_engine(qwen2.path)
+    expected = _snapshot(engine.generate(PROMPTS, PARAMS))
+    real_step, calls = engine.stepper.step, {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device fell over")
+        return real_step(plan)
+
+    monkeypatch.setattr(engine.stepper, "step", flaky)
+    with pytest.raises(RuntimeError, match="device fell over"):
+        engine.generate(PROMPTS, PARAMS)
+    assert engine.stats()["kv_pages_used"] == 0 and not engine.scheduler.requests
+    assert _snapshot(engine.generate(PROMPTS, PARAMS)) == expected
+
+
+def test_failure_of_one_caller_leaves_the_other_callers_exact(qwen2, monkeypatch):
+    engine = make_engine(qwen2.path)
+    expected = _snapshot(engine.generate(PROMPTS, PARAMS))
+    real_step = engine.stepper.step
+    other_started, fail_now = threading.Event(), threading.Event()
+    results = {}
+
+    def step(plan):
+        if fail_now.is_set() and threading.current_thread().name == "failing":
+            fail_now.clear()
+            raise RuntimeError("injected")
+        return real_step(plan)
+
+    monkeypatch.setattr(engine.stepper, "step", step)
+
+    def failing():
+        other_started.wait(30)
+        fail_now.set()
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.generate([[9, 9, 9, 9, 9]], SamplingParams(n=4, max_tokens=40, ignore_eos=True))
+        results["failed"] = True
+
+    def healthy():
+        results["out"] = engine.generate(PROMPTS, PARAMS)
+
+    engine._step_callback = lambda info: other_started.set()
+    threads = [threading.Thread(target=failing, name="failing"), threading.Thread(target=healthy, name="healthy")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results["failed"]
+    _assert_same(_snapshot(results["out"]), expected)  # recomputed where the failed step had touched KV
+    assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_callback_error_aborts_only_that_call(qwen2):
+    state = {"raise": True}
+
+    def callback(info):
+        if state["raise"]:
+            state["raise"] = False
+            raise KeyError("from the callback")
+
+    engine = make_engine(qwen2.path, step_callback=callback)
+    with pytest.raises(KeyError, match="from the callback"):
+        engine.generate(PROMPTS, PARAMS)
+    assert not engine.scheduler.requests and engine.stats()["kv_pages_used"] == 0
+    assert _snapshot(engine.generate(PROMPTS, PARAMS)) == _snapshot(make_engine(qwen2.path).generate(PROMPTS, PARAMS))
+
+
+def test_closed_engine_refuses_calls(qwen2):
+    engine = make_engine(qwen2.path)
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate(PROMPTS, PARAMS)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.update_weights({})
