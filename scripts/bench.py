@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Throughput of the engine against transformers `generate()` on the
+`bench-25m` workload (DESIGN section 5), in one process and one run, plus
+the compute floor, a batch-1 latency row and a long-prompt prefill row.
+
+    .venv/bin/python scripts/bench.py [--out runs/bench.json] [--skip-hf]
+
+Prints a table and writes JSON. Timings are never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout import Engine, SamplingParams  # noqa: E402
+
+BENCH_25M = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+)
+STOP_IDS = list(range(10, 50))
+N, PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 16, 32, 128
+
+
+def make_checkpoint(path: Path):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**BENCH_25M), dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def workload_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(50, BENCH_25M["vocab_size"], (length,), generator=g).tolist() for _ in range(count)]
+
+
+def real_tokens(row: list[int]) -> int:
+    """Generated tokens up to and including the first stop token."""
+    for i, t in enumerate(row):
+        if t in STOP_IDS:
+            return i + 1
+    return len(row)
+
+
+def time_engine(engine: Engine, prompts, params) -> tuple[int, float]:
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    return sum(len(s.token_ids) for o in outs for s in o.samples), seconds
+
+
+def time_hf(model, prompts, n: int, max_tokens: int, greedy: bool = False) -> tuple[int, float]:
+    ids = torch.tensor(prompts).repeat_interleave(n, dim=0)
+    kwargs = dict(
+        do_sample=not greedy,
+        max_new_tokens=max_tokens,
+        eos_token_id=STOP_IDS,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    if not greedy:
+        kwargs.update(temperature=1.0, top_k=0, top_p=1.0)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    seconds = time.perf_counter() - start
+    new = out.sequences[:, ids.shape[1] :].tolist()
+    return sum(real_tokens(r) for r in new), seconds
+
+
+def gemm_rate(rows: int = 256, seconds: float = 1.0) -> float:
+    """Measured float32 GEMM FLOP/s at the model's widest projection."""
+    a = torch.randn(rows, BENCH_25M["hidden_size"])
+    b = torch.randn(2 * BENCH_25M["intermediate_size"], BENCH_25M["hidden_size"])
+    for _ in range(3):
+        torch.nn.functional.linear(a, b)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.nn.functional.linear(a, b)
+        count += 1
+    return count * 2 * a.shape[0] * a.shape[1] * b.shape[0] / (time.perf_counter() - start)
+
+
+def flops_per_token(context: int) -> float:
+    c = BENCH_25M
+    h, inter, layers, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    head = h // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * head
+    dense = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + v * h
+    attention = layers * 2 * 2 * context * h  # scores and weighted sum over `context` keys
+    return 2 * dense + attention
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    tmp = Path(tempfile.mkdtemp(prefix="bench25m_"))
+    hf = make_checkpoint(tmp)
+    engine = Engine(tmp, device="cpu", max_batch_size=PROMPTS * N, max_seq_len=2048, kv_cache_tokens=64 * 1024)
+    prompts = workload_prompts(PROMPTS, PROMPT_LEN)
+    params = SamplingParams(n=N, max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=STOP_IDS, ignore_eos=True)
+    time_engine(engine, prompts[:2], SamplingParams(n=2, max_tokens=8))  # warm-up
+    results: dict = {"threads": torch.get_num_threads()}
+    tokens, seconds = time_engine(engine, prompts, params)
+    results["engine"] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    rate = gemm_rate()
+    avg_context = PROMPT_LEN + tokens / (PROMPTS * N) / 2
+    floor = rate / flops_per_token(int(avg_context))
+    results["floor"] = {"gemm_flops_per_s": rate, "tokens_per_s": floor}
+    results["engine"]["fraction_of_floor"] = results["engine"]["tokens_per_s"] / floor
+    one = SamplingParams(n=1, max_tokens=64, temperature=0.0, ignore_eos=True)
+    tokens1, seconds1 = time_engine(engine, prompts[:1], one)
+    results["engine_batch1_ms_per_token"] = 1000 * seconds1 / tokens1
+    long_prompt = workload_prompts(1, 1024, seed=1)
+    _, prefill_s = time_engine(engine, long_prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    results["engine_prefill_1024_tokens_per_s"] = 1024 / prefill_s
+    if not args.skip_hf:
+        time_hf(hf, prompts[:2], 1, 4)  # warm-up
+        tokens, seconds = time_hf(hf, prompts, N, MAX_TOKENS)
+        results["transformers"] = {
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
+            "fraction_of_floor": tokens / seconds / floor,
+        }
+        results["speedup_vs_transformers"] = results["engine"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
+        tokens1, seconds1 = time_hf(hf, prompts[:1], 1, 64, greedy=True)
+        results["transformers_batch1_ms_per_token"] = 1000 * seconds1 / tokens1
+        start = time.perf_counter()
+        with torch.no_grad():
+            hf(torch.tensor(long_prompt))
+        results["transformers_prefill_1024_tokens_per_s"] = 1024 / (time.perf_counter() - start)
+    return results
+
+
+def print_table(r: dict) -> None:
+    print(
+        f"bench-25m on CPU, {r['threads']} threads; floor {r['floor']['tokens_per_s']:.0f} tok/s "
+        f"(GEMM {r['floor']['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s)"
+    )
+    print(f"{'':28}{'engine':>12}{'transformers':>14}{'ratio':>8}")
+    hf = r.get("transformers")
+    rows = [
+        ("rollout tokens/s", r["engine"]["tokens_per_s"], hf and hf["tokens_per_s"]),
+        ("fraction of floor", r["engine"]["fraction_of_floor"], hf and hf["fraction_of_floor"]),
+        ("batch-1 ms/token", r["engine_batch1_ms_per_token"], r.get("transformers_batch1_ms_per_token")),
+        (
+            "prefill 1024 tokens/s",
+            r["engine_prefill_1024_tokens_per_s"],
+            r.get("transformers_prefill_1024_tokens_per_s"),
+        ),
+    ]
+    for name, ours, theirs in rows:
+        ratio = f"{ours / theirs:8.2f}" if theirs else ""
+        print(f"{name:28}{ours:12.2f}{(theirs or float('nan')):14.2f}{ratio}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench.json"))
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true", help="engine rows only")
+    args = parser.parse_args()
+    results = run(args)
+    print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
