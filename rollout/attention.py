@@ -81,37 +81,44 @@ def paged_attention(
     The step's own keys and values must already be written to `kv`.
     """
     out = torch.empty_like(q)
-    groups = q.shape[1] // kv.num_kv_heads
     for i, span in enumerate(meta.prefills):
-        k, v = kv.gather(layer, span.block_table)
-        k, v = k[: span.context_len], v[: span.context_len]
-        if groups > 1:
-            # Measured on CPU: with enable_gqa SDPA falls back to its math kernel
-            # (4x slower at 1024 tokens); repeated heads keep the flash kernel.
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         rows = slice(span.token_start, span.token_start + span.length)
-        mask = meta.prefill_mask(i, window)
-        # 4-D inputs (a batch of one) select the flash kernel; 3-D ones do not.
-        o = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-        )
-        out[rows] = o[0].transpose(0, 1)
+        out[rows] = _prefill(q[rows], layer, kv, span, meta.prefill_mask(i, window), scale)
     if meta.num_decodes:
-        k, v = kv.gather(layer, meta.decode_block_tables)
-        mask = meta.decode_mask(window, k.shape[1])
         rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
-        o = F.scaled_dot_product_attention(
-            q[rows].unsqueeze(2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[rows] = o.squeeze(2)
+        out[rows] = _decode(q[rows], layer, kv, meta, window, scale)
     return out
+
+
+def _prefill(q, layer: int, kv: KVPool, span: PrefillSpan, mask, scale: float) -> torch.Tensor:
+    k, v = kv.gather(layer, span.block_table)
+    k, v = k[: span.context_len], v[: span.context_len]
+    groups = q.shape[1] // kv.num_kv_heads
+    if groups > 1:
+        # Measured on CPU: with enable_gqa SDPA falls back to its math kernel
+        # (4x slower at 1024 tokens); repeated heads keep the flash kernel.
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    # 4-D inputs (a batch of one) select the flash kernel; 3-D ones do not.
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+    )
+    return o[0].transpose(0, 1)
+
+
+def _decode(q, layer: int, kv: KVPool, meta: AttentionMetadata, window: int | None, scale: float) -> torch.Tensor:
+    # Decode keeps enable_gqa: at one query per sequence it beats repeating heads.
+    k, v = kv.gather(layer, meta.decode_block_tables)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=meta.decode_mask(window, k.shape[1]),
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o.squeeze(2)

@@ -12,8 +12,8 @@ from workspace import DecodeCache, DecodeRows, InferenceWorkspace, KVPool
 
 from .attention import AttentionMetadata, PrefillSpan
 from .model import Model
+from .plan import ScheduledChunk, StepPlan, StepResult
 from .sampler import MODE_CODES, SamplingBatch, sample
-from .scheduler import ScheduledChunk, StepPlan, StepResult
 from .sequence import Sequence
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_index", "rng_pos", "mode")

@@ -7,8 +7,9 @@ from __future__ import annotations
 import itertools
 
 from rollout.kv_manager import KVManager
+from rollout.plan import StepResult
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler import Scheduler, StepResult
+from rollout.scheduler import Scheduler
 from rollout.sequence import Request, SeqStatus, Sequence
 from workspace import PageAllocator
 

@@ -1,0 +1,52 @@
+"""The contracts between the scheduler and the stepper: what a step computes
+(`StepPlan`) and what it returned (`StepResult`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Tokens of one sequence computed in a step."""
+
+    seq: Sequence  # whose tokens are computed (and whose pages receive their KV)
+    start: int  # first position computed: seq.num_computed_tokens when scheduled
+    length: int  # tokens computed this step
+    samplers: list[Sequence]  # sample a token from the chunk's last row: [], [seq] or [seq, *forks]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step computes."""
+
+    chunks: list[ScheduledChunk]  # in schedule order
+    page_copies: list[tuple[int, int]]  # (src, dst) copy-on-write page copies to run first
+    version: int  # policy version the step runs under
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    @property
+    def samplers(self) -> list[Sequence]:
+        return [s for c in self.chunks for s in c.samplers]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the stepper returns: one entry per sampler row of the plan, in order."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    version: int  # policy version whose weights produced the tokens
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    computed_tokens: int = 0  # every token whose KV was computed
+    prompt_tokens: int = 0  # of those, prompt positions (a group's prompt counts once)
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
