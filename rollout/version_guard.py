@@ -17,6 +17,11 @@ class PolicyVersionGuard:
     def __init__(self, version: int = 0) -> None:
         self._cond = threading.Condition(threading.RLock())
         self._version = version
+        # Commits waiting for the guard. A step yields to them first: Python
+        # locks do not hand off, so a stepping loop that releases and
+        # re-takes the guard could otherwise starve a commit for many steps.
+        self._pending = 0
+        self._pending_lock = threading.Lock()
 
     @property
     def version(self) -> int:
@@ -41,6 +46,8 @@ class PolicyVersionGuard:
     def step(self) -> Iterator[int]:
         """Hold the guard for one step; yields the version the step runs under."""
         with self._cond:
+            while self._pending:
+                self._cond.wait()
             yield self._version
             self._cond.notify_all()
 
@@ -52,12 +59,19 @@ class PolicyVersionGuard:
     def commit(self, requested: int | None, apply: Callable[[int], None]) -> int:
         """Under the guard: re-check the version order, run `apply(version)`
         (the weight copy and in-flight handling), then publish the version."""
-        with self._cond:
-            version = self.check_next(requested)
-            apply(version)
-            self._version = version
-            self._cond.notify_all()
-            return version
+        with self._pending_lock:
+            self._pending += 1
+        try:
+            with self._cond:
+                version = self.check_next(requested)
+                apply(version)
+                self._version = version
+                return version
+        finally:
+            with self._pending_lock:
+                self._pending -= 1
+            with self._cond:
+                self._cond.notify_all()
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
         """Release the guard until `predicate()` holds (checked under it) or `timeout` s pass."""
