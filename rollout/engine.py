@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +23,11 @@ from .outputs import RolloutOutput
 from .prompts import make_requests
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Request, Sequence
 from .stepper import Stepper
 from .tokenizer import TextCodec, find_stop
 from .version_guard import PolicyVersionGuard
-from .weight_update import WeightUpdater
+from .weight_update import StagedUpdate, WeightUpdater
 
 INFLIGHT_MODES = ("recompute", "keep", "drain", "restart")
 
@@ -89,7 +89,7 @@ class Engine:
         self._build_runtime(debug_decode_cache)
         self._guard = PolicyVersionGuard(0)
         self._updater = WeightUpdater(self.model)
-        self._update_lock = threading.Lock()
+        self._update_lock = threading.RLock()  # one update prepares or commits at a time
         self._rng = random.Random(cfg.seed)
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -133,6 +133,15 @@ class Engine:
         prompt, in prompt order. Prompts are all strings (needs a tokenizer)
         or all lists of token ids. Safe to call from several threads at once:
         their sequences share batches."""
+        outputs: list[RolloutOutput | None] = [None] * len(prompts) if isinstance(prompts, (list, tuple)) else []
+        for index, output in self.generate_iter(prompts, params):
+            outputs[index] = output
+        return outputs
+
+    def generate_iter(self, prompts, params: SamplingParams | None = None) -> Iterator[tuple[int, RolloutOutput]]:
+        """Like `generate`, but yields `(prompt index, output)` as each prompt's
+        samples finish, in completion order. Arguments are validated before
+        this returns; closing the iterator early aborts the unfinished prompts."""
         self._check_open()
         if params is None:
             params = SamplingParams()
@@ -144,26 +153,14 @@ class Engine:
             self.config,
             self.model_config,
             self.codec,
-            self.scheduler.kv.page_size,
             rng=self._rng,
             request_ids=self._request_ids,
             seq_ids=self._seq_ids,
-            make_seq=Sequence,
         )
-        if not requests:
-            return []
         with self._guard.held():
             for r in requests:
                 self.scheduler.add(r)
-        try:
-            self._run_until_finished(requests)
-        except BaseException:
-            with self._guard.held():
-                self.scheduler.abort(requests)
-                self._guard.notify()  # a pending drain may be waiting on these
-            raise
-        decode = self.codec.decode if self.codec is not None else None
-        return [r.to_output(decode) for r in requests]
+        return self._drive(dict(enumerate(requests)))
 
     def update_weights(
         self,
@@ -181,20 +178,47 @@ class Engine:
         DESIGN section 3). May be called from another thread while
         `generate` runs.
         """
+        self._check_inflight(inflight)
+        self._guard.check_next(version)
+        with self._update_lock:
+            return self.commit_weights(self.prepare_weights(state_dict), version, inflight)
+
+    def prepare_weights(self, state_dict: Mapping[str, torch.Tensor], immutable: bool = False) -> StagedUpdate:
+        """Phase one of an update: validate and stage, changing nothing live.
+
+        Raises `TypeError`/`ValueError` naming the first bad entry. With
+        `immutable=True` the tensors must stay unchanged until
+        `commit_weights` (they may be committed straight from the source).
+        """
         self._check_open()
-        if inflight not in INFLIGHT_MODES:
-            raise ValueError(f"inflight must be one of {INFLIGHT_MODES}, got {inflight!r}")
+        with self._update_lock:
+            return self._updater.stage(self._updater.validate(state_dict), immutable=immutable)
+
+    def discard_weights(self, staged: StagedUpdate) -> None:
+        """Drop a prepared update that will not be committed."""
+        with self._update_lock:
+            self._updater.release(staged)
+
+    def commit_weights(self, staged: StagedUpdate, version: int | None = None, inflight: str = "recompute") -> int:
+        """Phase two: install `staged` between two steps under the guard; returns the version."""
+        self._check_open()
+        self._check_inflight(inflight)
         self._guard.check_next(version)
         if inflight == "drain" and getattr(self._stepping, "active", False):
             raise RuntimeError("update_weights(inflight='drain') from inside generate would wait on itself")
+        try:
+            return self._commit(staged, version, inflight)
+        finally:
+            self._updater.release(staged)
+
+    def _commit(self, staged: StagedUpdate, version: int | None, inflight: str) -> int:
+
+        def apply(_: int) -> None:
+            self._updater.commit(staged)
+            self.scheduler.on_weights_committed(inflight)
+            self.decode_cache.invalidate()
+
         with self._update_lock:
-            staged = self._updater.stage(self._updater.validate(state_dict))
-
-            def apply(_: int) -> None:
-                self._updater.commit(staged)
-                self.scheduler.on_weights_committed(inflight)
-                self.decode_cache.invalidate()
-
             if inflight != "drain":
                 return self._guard.commit(version, apply)
             with self._guard.held():
@@ -229,26 +253,35 @@ class Engine:
             del self.kv_pool, self.workspace, self.stepper
 
     # -- internals -----------------------------------------------------------------------
+    def _check_inflight(self, inflight: str) -> None:
+        if inflight not in INFLIGHT_MODES:
+            raise ValueError(f"inflight must be one of {INFLIGHT_MODES}, got {inflight!r}")
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("engine is closed")
 
-    def _run_until_finished(self, requests) -> None:
+    def _drive(self, pending: dict[int, Request]) -> Iterator[tuple[int, RolloutOutput]]:
+        decode = self.codec.decode if self.codec is not None else None
         self._stepping.active = True
         try:
-            while True:
-                info = self._one_step(requests)
-                if info is None:
-                    return
-                if self._step_callback is not None and info.num_tokens:
+            while pending:
+                info = self._one_step(pending.values())
+                for index in [i for i, r in pending.items() if r.is_finished]:
+                    yield index, pending.pop(index).to_output(decode, index)
+                if info is not None and self._step_callback is not None and info.num_tokens:
                     self._step_callback(info)
         finally:
             self._stepping.active = False
+            if pending:  # an error, or the caller stopped iterating
+                with self._guard.held():
+                    self.scheduler.abort(list(pending.values()))
+                    self._guard.notify()  # a pending drain may be waiting on these
 
     def _one_step(self, requests) -> StepInfo | None:
         with self._guard.step() as version:
             if all(r.is_finished for r in requests):
-                return None
+                return None  # finished by another caller's steps
             plan = self.scheduler.schedule(version)
             if plan.chunks:
                 try:

@@ -25,3 +25,4 @@ class RolloutOutput:
     prompt_token_ids: list[int]
     samples: list[Sample]
     prompt: str | None = None  # the prompt text, when it was given as text
+    index: int | None = None  # position of the prompt in the call that submitted it

@@ -22,13 +22,13 @@ def make_requests(
     cfg: EngineConfig,
     mc: ModelConfig,
     codec: TextCodec | None,
-    page_size: int,
     *,
     rng: random.Random,
     request_ids: Iterator[int],
     seq_ids: Iterator[int],
     make_seq: Callable[..., Sequence] = Sequence,
 ) -> list[Request]:
+    """Validate and build the requests of one generate call; raises before creating any."""
     token_lists, texts = _tokenize(prompts, codec, mc.vocab_size)
     _check_params(params, cfg, mc, codec)
     for i, ids in enumerate(token_lists):

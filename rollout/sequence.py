@@ -102,7 +102,7 @@ class Request:
         for s in self.pending_forks:
             s.status = SeqStatus.FORK_PENDING
 
-    def to_output(self, decode) -> RolloutOutput:
+    def to_output(self, decode, index: int | None = None) -> RolloutOutput:
         samples = []
         for s in self.samples:
             text = None
@@ -111,4 +111,4 @@ class Request:
                 if s.stop_text_end is not None:
                     text = text[: s.stop_text_end]
             samples.append(Sample(s.output_token_ids, list(s.logprobs), list(s.versions), s.finish_reason, text))
-        return RolloutOutput(list(self.prompt_token_ids), samples, self.prompt)
+        return RolloutOutput(list(self.prompt_token_ids), samples, self.prompt, index)

@@ -211,3 +211,23 @@ def test_eos_from_generation_config_stops_too(tmp_path):
     stopped = [s for o in outs for s in o.samples if s.finish_reason == "stop"]
     assert stopped and all(s.token_ids[-1] in (2, 40, 41) for s in stopped)
     assert all(not {2, 40, 41} & set(s.token_ids[:-1]) for o in outs for s in o.samples)
+
+
+def test_generate_iter_yields_in_completion_order_and_early_close_aborts(qwen2):
+    engine = make_engine(qwen2.path)
+    params = SamplingParams(n=2, max_tokens=30, seed=6, stop_token_ids=list(range(10, 16)))
+    prompts = [LONG, SHORT, [4, 4], [9, 8, 7, 6]]
+    full = engine.generate(prompts, params)
+    items = list(engine.generate_iter(prompts, params))
+    assert sorted(i for i, _ in items) == [0, 1, 2, 3]
+    for i, out in items:
+        assert out.index == i and _tokens([out]) == _tokens([full[i]])
+    # All prompts start in the first step, so a prompt finishes with its longest sample.
+    finish_steps = [max(len(s.token_ids) for s in out.samples) for _, out in items]
+    assert finish_steps == sorted(finish_steps) and len(set(finish_steps)) > 1
+    it = engine.generate_iter(prompts, params)
+    next(it)
+    it.close()
+    assert not engine.scheduler.requests and engine.stats()["kv_pages_used"] == 0
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate_iter([[1000]], params)  # validated eagerly, before iteration
