@@ -8,12 +8,43 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from .config import ModelConfig
 from .engine_config import EngineConfig
 from .sampling_params import MAX_SEED, SamplingParams
 from .sequence import Request, Sequence
 from .tokenizer import TextCodec
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimits:
+    """What prompt validation needs to know about an engine (sent by actors to the driver)."""
+
+    vocab_size: int
+    max_seq_len: int
+    max_batch_size: int
+    page_size: int
+    num_pages: int
+
+    @classmethod
+    def of(cls, cfg: EngineConfig, mc: ModelConfig) -> PromptLimits:
+        return cls(mc.vocab_size, cfg.max_seq_len, cfg.max_batch_size, cfg.page_size, cfg.num_pages)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+
+def validate_prompts(
+    prompts, params: SamplingParams, limits: PromptLimits, codec: TextCodec | None
+) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids and texts of valid prompts; raises `TypeError`/`ValueError` naming the problem."""
+    token_lists, texts = _tokenize(prompts, codec, limits.vocab_size)
+    _check_params(params, limits, codec)
+    for i, ids in enumerate(token_lists):
+        _check_fits(i, ids, params, limits)
+    return token_lists, texts
 
 
 def make_requests(
@@ -29,10 +60,7 @@ def make_requests(
     make_seq: Callable[..., Sequence] = Sequence,
 ) -> list[Request]:
     """Validate and build the requests of one generate call; raises before creating any."""
-    token_lists, texts = _tokenize(prompts, codec, mc.vocab_size)
-    _check_params(params, cfg, mc, codec)
-    for i, ids in enumerate(token_lists):
-        _check_fits(i, ids, params, cfg)
+    token_lists, texts = validate_prompts(prompts, params, PromptLimits.of(cfg, mc), codec)
     stop_ids = set(params.stop_token_ids or ())
     if not params.ignore_eos:
         stop_ids.update(codec.eos_token_ids if codec is not None else mc.eos_token_ids)
@@ -80,17 +108,19 @@ def _tokenize(prompts, codec: TextCodec | None, vocab: int) -> tuple[list[list[i
     return token_lists, texts
 
 
-def _check_params(params: SamplingParams, cfg: EngineConfig, mc: ModelConfig, codec: TextCodec | None) -> None:
-    if params.n > cfg.max_batch_size:
-        raise ValueError(f"n must be <= the engine's max_batch_size ({cfg.max_batch_size}), got {params.n}")
+def _check_params(params: SamplingParams, limits: PromptLimits, codec: TextCodec | None) -> None:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if params.n > limits.max_batch_size:
+        raise ValueError(f"n must be <= the engine's max_batch_size ({limits.max_batch_size}), got {params.n}")
     for t in params.stop_token_ids or ():
-        if t >= mc.vocab_size:
-            raise ValueError(f"stop_token_ids has {t}, outside the vocabulary [0, {mc.vocab_size})")
+        if t >= limits.vocab_size:
+            raise ValueError(f"stop_token_ids has {t}, outside the vocabulary [0, {limits.vocab_size})")
     if params.stop and codec is None:
         raise ValueError("stop strings need a tokenizer, and the checkpoint has no tokenizer.json")
 
 
-def _check_fits(i: int, ids: list[int], params: SamplingParams, cfg: EngineConfig) -> None:
+def _check_fits(i: int, ids: list[int], params: SamplingParams, cfg: PromptLimits) -> None:
     if len(ids) >= cfg.max_seq_len:
         raise ValueError(
             f"prompts[{i}] has {len(ids)} tokens; max_seq_len is {cfg.max_seq_len}, so a prompt may have "

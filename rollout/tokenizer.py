@@ -32,6 +32,14 @@ class TextCodec:
         eos = config_eos or _eos_from_tokenizer_config(path, tok)
         return cls(tok, eos)
 
+    @classmethod
+    def from_json(cls, text: str, eos_token_ids: tuple[int, ...]) -> TextCodec:
+        """A codec from the text of a tokenizer.json (as an actor sends it to the driver)."""
+        return cls(Tokenizer.from_str(text), eos_token_ids)
+
+    def to_json(self) -> str:
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

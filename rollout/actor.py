@@ -1,0 +1,97 @@
+"""`RolloutWorker`: one engine behind a transport. It is plain Python and
+never imports Ray, so everything it does is testable in-process; the cluster
+turns it into the `@ray.remote` actor (`RolloutActor`), which adds transport
+only. Each method is a thin call into the engine or the wire format."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .engine import Engine
+from .outputs import RolloutOutput
+from .prompts import PromptLimits
+from .sampling_params import SamplingParams
+from .weight_update import StagedUpdate
+from .wire import Manifest, unpack, verify
+
+
+class RolloutWorker:
+    """Owns one `Engine`. With `manifest`, `version` and `buckets`, it loads
+    those published weights before serving (a replacement actor)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        engine_kwargs: dict,
+        num_threads: int | None = None,
+        manifest: Manifest | None = None,
+        version: int | None = None,
+        *buckets: np.ndarray,
+    ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.engine = Engine(model_path, **engine_kwargs)
+        self._prepared: dict[str, tuple[StagedUpdate, tuple[np.ndarray, ...]]] = {}
+        self._lock = threading.Lock()
+        if manifest is not None:
+            self.prepare_push("published", manifest, *buckets)
+            self.commit_push("published", version, "keep")
+
+    def describe(self) -> dict:
+        """What the driver needs to validate prompts: limits, eos ids, tokenizer."""
+        codec = self.engine.codec
+        return {
+            "limits": PromptLimits.of(self.engine.config, self.engine.model_config),
+            "eos_token_ids": codec.eos_token_ids if codec else self.engine.model_config.eos_token_ids,
+            "tokenizer_json": codec.to_json() if codec else None,
+            "pid": os.getpid(),
+            "version": self.engine.policy_version,
+        }
+
+    def generate_stream(
+        self, indices: list[int], prompts: list[list[int]], params: SamplingParams
+    ) -> Iterator[RolloutOutput]:
+        """Each prompt's output as it finishes, `index` set to the caller's prompt index."""
+        for i, out in self.engine.generate_iter(prompts, params):
+            out.index = indices[i]
+            yield out
+
+    def prepare_push(self, push_id: str, manifest: Manifest, *buckets: np.ndarray) -> int:
+        """Phase one: verify checksums, validate and stage; returns the bytes staged."""
+        verify(buckets, manifest)
+        staged = self.engine.prepare_weights(unpack(buckets, manifest), immutable=True)
+        with self._lock:
+            self._prepared[push_id] = (staged, buckets)  # the buckets stay alive until commit
+        return staged.nbytes
+
+    def commit_push(self, push_id: str, version: int, inflight: str) -> int:
+        """Phase two: install a prepared push as `version`."""
+        with self._lock:
+            staged, _ = self._prepared.pop(push_id)
+        return self.engine.commit_weights(staged, version, inflight)
+
+    def abort_push(self, push_id: str) -> None:
+        with self._lock:
+            entry = self._prepared.pop(push_id, None)
+        if entry is not None:
+            self.engine.discard_weights(entry[0])
+
+    def health(self) -> dict:
+        stats = self.engine.stats()
+        return {
+            "pid": os.getpid(),
+            "version": self.engine.policy_version,
+            "running": len(self.engine.scheduler.running),
+            "waiting": len(self.engine.scheduler.waiting),
+            "kv_pages_used": stats["kv_pages_used"],
+            "kv_pages_total": stats["kv_pages_total"],
+        }
+
+    def policy_version(self) -> int:
+        return self.engine.policy_version

@@ -1,0 +1,98 @@
+"""Ray plumbing for the cluster: joining or starting Ray, sizing and
+reserving actor bundles, creating actors. Imported only when a cluster is
+made, so `import rollout` never needs Ray."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    num_actors: int
+    cpus: int  # per actor; torch threads follow it
+    gpus: int  # per actor
+
+
+def ray_module():
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - ray is a dependency
+        raise ImportError("the rollout cluster needs Ray: pip install ray") from e
+    return ray
+
+
+def connect(address: str | None, init_kwargs: dict | None) -> bool:
+    """Make sure this process is connected to Ray; returns True if this call started it.
+
+    address None: reuse this process's connection, else join `RAY_ADDRESS`
+    when set, else start a local instance. "auto" or "ray://..." join a
+    running cluster.
+    """
+    ray = ray_module()
+    if ray.is_initialized():
+        return False
+    kwargs = {"include_dashboard": False, "log_to_driver": True, **(init_kwargs or {})}
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        ray.init(**kwargs)
+        return True
+    ray.init(address=address or os.environ["RAY_ADDRESS"], **kwargs)
+    return True
+
+
+def plan_placement(num_actors: int, cpus: int | None, gpus: int | None) -> Placement:
+    """Resources per actor; raises `ValueError` when the cluster cannot hold them."""
+    ray = ray_module()
+    total = ray.cluster_resources()
+    have_gpus, have_cpus = int(total.get("GPU", 0)), int(total.get("CPU", 0))
+    if gpus is None:
+        gpus = 1 if have_gpus else 0
+    if gpus * num_actors > have_gpus:
+        raise ValueError(
+            f"num_gpus_per_actor={gpus} x num_actors={num_actors} needs {gpus * num_actors} GPUs; "
+            f"the Ray cluster has {have_gpus}"
+        )
+    if cpus is None:
+        cpus = 1 if gpus else max(1, have_cpus // num_actors)
+    if cpus * num_actors > max(have_cpus, 1):
+        raise ValueError(
+            f"num_cpus_per_actor={cpus} x num_actors={num_actors} needs {cpus * num_actors} CPUs; "
+            f"the Ray cluster has {have_cpus}"
+        )
+    return Placement(num_actors, cpus, gpus)
+
+
+def reserve(placement: Placement, timeout_s: float):
+    """A ready placement group with one bundle per actor, or `RuntimeError`."""
+    ray = ray_module()
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle: dict[str, float] = {"CPU": placement.cpus}
+    if placement.gpus:
+        bundle["GPU"] = placement.gpus
+    pg = placement_group([dict(bundle) for _ in range(placement.num_actors)], strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"Ray could not place {placement.num_actors} actors of {bundle} within {timeout_s} s; "
+            f"available: {ray.available_resources()}"
+        ) from None
+    return pg
+
+
+def create_actor(worker_cls, pg, index: int, placement: Placement, args: tuple, max_concurrency: int) -> Any:
+    ray = ray_module()
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    remote_cls = ray.remote(worker_cls)
+    return remote_cls.options(
+        num_cpus=placement.cpus,
+        num_gpus=placement.gpus,
+        max_concurrency=max_concurrency,
+        max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+    ).remote(*args)
