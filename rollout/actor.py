@@ -39,6 +39,7 @@ class RolloutWorker:
         self.engine = Engine(model_path, **engine_kwargs)
         self._prepared: dict[str, tuple[StagedUpdate, tuple[np.ndarray, ...]]] = {}
         self._lock = threading.Lock()
+        self._faults: dict[str, str] = {}
         if manifest is not None:
             self.prepare_push("published", manifest, *buckets)
             self.commit_push("published", version, "keep")
@@ -64,6 +65,7 @@ class RolloutWorker:
 
     def prepare_push(self, push_id: str, manifest: Manifest, *buckets: np.ndarray) -> int:
         """Phase one: verify checksums, validate and stage; returns the bytes staged."""
+        self._raise_injected("prepare_push")
         verify(buckets, manifest)
         staged = self.engine.prepare_weights(unpack(buckets, manifest), immutable=True)
         with self._lock:
@@ -95,3 +97,17 @@ class RolloutWorker:
 
     def policy_version(self) -> int:
         return self.engine.policy_version
+
+    def inject_fault(self, method: str, message: str) -> None:
+        """Fault injection for tests and drills: the next call of `method`
+        (only "prepare_push" for now) raises `ValueError(message)`."""
+        if method != "prepare_push":
+            raise ValueError(f"method must be 'prepare_push', got {method!r}")
+        with self._lock:
+            self._faults[method] = message
+
+    def _raise_injected(self, method: str) -> None:
+        with self._lock:
+            message = self._faults.pop(method, None)
+        if message is not None:
+            raise ValueError(message)

@@ -42,3 +42,15 @@ def make_engine(path, **kwargs):
 
     defaults = dict(device="cpu", max_batch_size=32, max_seq_len=256, kv_cache_tokens=8192)
     return Engine(path, **{**defaults, **kwargs})
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test session (starting Ray costs seconds)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=512 * 2**20,
+                 configure_logging=False)
+    yield ray
+    ray.shutdown()
