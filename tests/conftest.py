@@ -50,7 +50,12 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=512 * 2**20,
-                 configure_logging=False)
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=512 * 2**20,
+            configure_logging=False,
+        )
     yield ray
     ray.shutdown()

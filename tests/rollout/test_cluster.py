@@ -16,8 +16,15 @@ import rollout
 from rollout import RolloutCluster, SamplingParams
 from tests.factories import _randomize, hf_logprobs
 
-KW = dict(num_actors=2, num_cpus_per_actor=1, max_seq_len=256, kv_cache_tokens=8192, max_batch_size=64,
-          timeout_s=120, stall_timeout_s=120)
+KW = dict(
+    num_actors=2,
+    num_cpus_per_actor=1,
+    max_seq_len=256,
+    kv_cache_tokens=8192,
+    max_batch_size=64,
+    timeout_s=120,
+    stall_timeout_s=120,
+)
 PROMPTS = [list(range(3, 3 + k)) for k in (5, 9, 17, 30, 6, 11, 2, 21)]
 PARAMS = SamplingParams(n=3, max_tokens=16, ignore_eos=True, seed=4, logprobs_mode="raw")
 
@@ -114,8 +121,11 @@ def test_concurrent_callers_with_concurrent_pushes(cluster, policies):
     def caller(seed):
         try:
             for k in range(2):
-                results.extend(cluster.generate(PROMPTS, SamplingParams(n=2, max_tokens=40, seed=seed + k,
-                                                                        ignore_eos=True, logprobs_mode="raw")))
+                results.extend(
+                    cluster.generate(
+                        PROMPTS, SamplingParams(n=2, max_tokens=40, seed=seed + k, ignore_eos=True, logprobs_mode="raw")
+                    )
+                )
         except Exception as e:  # reported below
             errors.append(e)
 
