@@ -98,6 +98,9 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
+    def step_log(self) -> list:
+        return self.engine.step_log()
+
     def inject_fault(self, method: str, message: str) -> None:
         """Fault injection for tests and drills: the next call of `method`
         (only "prepare_push" for now) raises `ValueError(message)`."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +32,16 @@ from .version_guard import PolicyVersionGuard
 from .weight_update import StagedUpdate, WeightUpdater
 
 INFLIGHT_MODES = ("recompute", "keep", "drain", "restart")
+_STEP_LOG_SIZE = 8192
 
 
 @dataclass(slots=True)
 class StepInfo:
-    """Passed to `step_callback` after every step, outside the guard."""
+    """Passed to `step_callback` after every step, outside the guard, and kept
+    in a bounded log (`Engine.step_log`)."""
 
+    end_time: float  # time.time() when the step finished (comparable across processes)
+    seconds: float  # wall time of the step under the guard
     version: int  # policy version the step ran under
     num_tokens: int  # tokens computed
     num_sampled: int  # tokens sampled
@@ -95,6 +101,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._stepping = threading.local()
         self._step_callback = step_callback
+        self._step_log: deque[StepInfo] = deque(maxlen=_STEP_LOG_SIZE)
         self._closed = False
 
     def _build_runtime(self, debug_decode_cache: bool) -> None:
@@ -246,6 +253,12 @@ class Engine:
             "decode_cache_misses": self.decode_cache.misses,
         }
 
+    def step_log(self) -> list[StepInfo]:
+        """The most recent steps (up to 8192), oldest first: when each ended, its
+        duration, version and sizes. Gaps between steps show generation pauses."""
+        with self._guard.held():
+            return list(self._step_log)
+
     def close(self) -> None:
         """Release the KV pool and workspace; later calls raise."""
         with self._guard.held():
@@ -282,6 +295,7 @@ class Engine:
         with self._guard.step() as version:
             if all(r.is_finished for r in requests):
                 return None  # finished by another caller's steps
+            start = time.perf_counter()
             plan = self.scheduler.schedule(version)
             if plan.chunks:
                 try:
@@ -294,13 +308,17 @@ class Engine:
             elif not self.scheduler.blocked_by_drain():
                 raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
             info = StepInfo(
-                version,
-                plan.num_tokens,
-                len(plan.samplers),
-                len(self.scheduler.running),
-                len(self.scheduler.waiting),
-                self.scheduler.kv.allocator.num_used,
+                end_time=time.time(),
+                seconds=time.perf_counter() - start,
+                version=version,
+                num_tokens=plan.num_tokens,
+                num_sampled=len(plan.samplers),
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_pages_used=self.scheduler.kv.allocator.num_used,
             )
+            if plan.chunks:
+                self._step_log.append(info)
         if not plan.chunks:
             # A drain is pending and only new requests remain: wait for its commit.
             self._guard.wait_for(lambda: not self.scheduler.blocked_by_drain(), timeout=1.0)

@@ -28,15 +28,17 @@ def connect(address: str | None, init_kwargs: dict | None) -> bool:
     """Make sure this process is connected to Ray; returns True if this call started it.
 
     address None: reuse this process's connection, else join `RAY_ADDRESS`
-    when set, else start a local instance. "auto" or "ray://..." join a
-    running cluster.
+    when set, else start a local instance. "auto", "HOST:PORT" or
+    "ray://..." join a running cluster. A local start is explicit
+    (`address="local"`): a plain `ray.init()` would try to join whatever
+    `ray start` last ran on this machine, even after it stopped.
     """
     ray = ray_module()
     if ray.is_initialized():
         return False
     kwargs = {"include_dashboard": False, "log_to_driver": True, **(init_kwargs or {})}
     if address is None and not os.environ.get("RAY_ADDRESS"):
-        ray.init(**kwargs)
+        ray.init(address="local", **kwargs)
         return True
     ray.init(address=address or os.environ["RAY_ADDRESS"], **kwargs)
     return True
