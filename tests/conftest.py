@@ -51,6 +51,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",
             num_cpus=4,
             include_dashboard=False,
             log_to_driver=False,
