@@ -17,8 +17,8 @@ from .engine import Engine
 from .outputs import RolloutOutput
 from .prompts import PromptLimits
 from .sampling_params import SamplingParams
-from .weight_update import StagedUpdate
-from .wire import Manifest, unpack, verify
+from .weight_update import StagedUpdate, all_finite
+from .wire import Manifest, TensorEntry, unpack, unpack_entries, verify_entries
 
 
 class RolloutWorker:
@@ -37,11 +37,14 @@ class RolloutWorker:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.engine = Engine(model_path, **engine_kwargs)
+        self._incoming: dict[str, dict[int, tuple[tuple[TensorEntry, ...], np.ndarray]]] = {}
         self._prepared: dict[str, tuple[StagedUpdate, tuple[np.ndarray, ...]]] = {}
         self._lock = threading.Lock()
         self._faults: dict[str, str] = {}
         if manifest is not None:
-            self.prepare_push("published", manifest, *buckets)
+            for index, bucket in enumerate(buckets):
+                self.stage_bucket("published", index, [e for e in manifest.entries if e.bucket == index], bucket)
+            self.prepare_push("published", manifest)
             self.commit_push("published", version, "keep")
 
     def describe(self) -> dict:
@@ -63,13 +66,34 @@ class RolloutWorker:
             out.index = indices[i]
             yield out
 
-    def prepare_push(self, push_id: str, manifest: Manifest, *buckets: np.ndarray) -> int:
-        """Phase one: verify checksums, validate and stage; returns the bytes staged."""
-        self._raise_injected("prepare_push")
-        verify(buckets, manifest)
-        staged = self.engine.prepare_weights(unpack(buckets, manifest), immutable=True)
+    def stage_bucket(self, push_id: str, index: int, entries: tuple[TensorEntry, ...], bucket: np.ndarray) -> int:
+        """Receive one bucket of a push, verify its checksums and scan it for
+        NaN/inf (while later buckets are still on their way); returns its size."""
+        verify_entries(bucket, entries)
+        for name, tensor in unpack_entries(bucket, entries).items():
+            if tensor.is_floating_point() and not all_finite(tensor):
+                raise ValueError(f"state_dict[{name!r}] holds NaN or inf values")
         with self._lock:
-            self._prepared[push_id] = (staged, buckets)  # the buckets stay alive until commit
+            self._incoming.setdefault(push_id, {})[index] = (tuple(entries), bucket)
+        return bucket.nbytes
+
+    def prepare_push(self, push_id: str, manifest: Manifest) -> int:
+        """Phase one: check the received buckets against the manifest, validate
+        and stage; returns the bytes the commit will copy."""
+        with self._lock:
+            incoming = self._incoming.pop(push_id, {})
+        self._raise_injected("prepare_push")
+        buckets = []
+        for index, size in enumerate(manifest.bucket_nbytes):
+            entries, bucket = incoming.get(index, ((), None))
+            if bucket is None or bucket.nbytes != size:
+                raise ValueError(f"weight push bucket {index} did not arrive intact")
+            if entries != tuple(e for e in manifest.entries if e.bucket == index):
+                raise ValueError(f"weight push bucket {index} does not match the manifest")
+            buckets.append(bucket)
+        staged = self.engine.prepare_weights(unpack(buckets, manifest), immutable=True, verified_finite=True)
+        with self._lock:
+            self._prepared[push_id] = (staged, tuple(buckets))  # the buckets stay alive until commit
         return staged.nbytes
 
     def commit_push(self, push_id: str, version: int, inflight: str) -> int:
@@ -80,6 +104,7 @@ class RolloutWorker:
 
     def abort_push(self, push_id: str) -> None:
         with self._lock:
+            self._incoming.pop(push_id, None)
             entry = self._prepared.pop(push_id, None)
         if entry is not None:
             self.engine.discard_weights(entry[0])

@@ -243,36 +243,64 @@ class RolloutCluster:
         return self._push(state_dict, version, inflight)
 
     def _push(self, state_dict, requested: int | None, inflight: str) -> int:
-        ray = ray_module()
         with self._push_lock:
             version = self._next_version(requested)
-            buckets, manifest = self._packer.pack(state_dict)
-            refs = tuple(ray.put(b) for b in buckets)
             push_id = uuid.uuid4().hex
             with self._cond:
                 slots = [s for s in self._slots if s.state == "alive"]
+            manifest, refs, received = self._ship(state_dict, push_id, slots, version)
             prepared = self._call_all(
-                slots, lambda h: h.prepare_push.remote(push_id, manifest, *refs), f"preparing weight push v{version}"
+                [s for s, r in received if not isinstance(r, BaseException)],
+                lambda h: h.prepare_push.remote(push_id, manifest),
+                f"preparing weight push v{version}",
             )
-            ready = [s for s, r in prepared if not isinstance(r, BaseException)]
-            rejected = [(s, r) for s, r in prepared if isinstance(r, BaseException) and not isinstance(r, ActorGone)]
+            results = [(s, r) for s, r in received if isinstance(r, BaseException)] + prepared
+            ready = [s for s, r in results if not isinstance(r, BaseException)]
+            rejected = [(s, r) for s, r in results if isinstance(r, BaseException) and not isinstance(r, ActorGone)]
             if rejected:
-                self._call_all(ready, lambda h: h.abort_push.remote(push_id), f"aborting weight push v{version}")
+                self._call_all(slots, lambda h: h.abort_push.remote(push_id), f"aborting weight push v{version}")
                 raise _rejection(*rejected[0], version)
             self._published = Published(manifest, version, refs)
-            committed = self._call_all(
-                ready,
-                lambda h: h.commit_push.remote(push_id, version, inflight),
-                f"committing weight push v{version} ({inflight})",
-                timeout=max(self.timeout_s, self.stall_timeout_s) if inflight == "drain" else self.timeout_s,
-            )
-            for slot, result in committed:
-                if isinstance(result, BaseException) and not isinstance(result, ActorGone):
-                    # Validated already, so this is a fault: replace the actor; the
-                    # replacement loads the published version, keeping all actors equal.
-                    self._kill(slot, f"failed to commit weight push v{version}: {result}")
+            self._commit(ready, push_id, version, inflight)
             self._version = version
             return version
+
+    def _ship(self, state_dict, push_id: str, slots: list[ActorSlot], version: int):
+        """Pack, put and send the buckets one by one: actors verify bucket i
+        while bucket i+1 is packed. Returns the manifest, the bucket refs and
+        per actor the first failure or its received byte count."""
+        ray = ray_module()
+        entries, sizes, refs, calls = [], [], [], []
+        for index, bucket, bucket_entries in self._packer.pack_buckets(state_dict):
+            ref = ray.put(bucket)
+            refs.append(ref)
+            entries.extend(bucket_entries)
+            sizes.append(bucket.nbytes)
+            for slot in slots:
+                calls.append(
+                    (slot, slot.generation, slot.handle.stage_bucket.remote(push_id, index, bucket_entries, ref))
+                )
+        per_slot: dict[int, object] = {}
+        for slot, result in self._collect(calls, f"receiving weight push v{version}"):
+            if not isinstance(per_slot.get(slot.index), BaseException):
+                per_slot[slot.index] = (
+                    result if isinstance(result, BaseException) else per_slot.get(slot.index, 0) + result
+                )
+        received = [(slot, per_slot[slot.index]) for slot in slots]
+        return Manifest(tuple(entries), tuple(sizes)), tuple(refs), received
+
+    def _commit(self, ready: list[ActorSlot], push_id: str, version: int, inflight: str) -> None:
+        committed = self._call_all(
+            ready,
+            lambda h: h.commit_push.remote(push_id, version, inflight),
+            f"committing weight push v{version} ({inflight})",
+            timeout=max(self.timeout_s, self.stall_timeout_s) if inflight == "drain" else self.timeout_s,
+        )
+        for slot, result in committed:
+            if isinstance(result, BaseException) and not isinstance(result, ActorGone):
+                # Validated already, so this is a fault: replace the actor; the
+                # replacement loads the published version, keeping all actors equal.
+                self._kill(slot, f"failed to commit weight push v{version}: {result}")
 
     def _next_version(self, requested: int | None) -> int:
         if requested is None:
@@ -289,9 +317,12 @@ class RolloutCluster:
 
     # -- actors ----------------------------------------------------------------------------
     def _call_all(self, slots, make_ref: Callable, what: str, timeout: float | None = None) -> list:
-        """(slot, result or exception) per slot, each bounded by one shared deadline."""
+        """(slot, result or exception) per slot, all bounded by one deadline."""
+        return self._collect([(s, s.generation, make_ref(s.handle)) for s in slots], what, timeout)
+
+    def _collect(self, calls: list, what: str, timeout: float | None = None) -> list:
+        """Results of `(slot, generation, ref)` calls; a dead actor's calls come back as `ActorGone`."""
         ray = ray_module()
-        calls = [(s, s.generation, make_ref(s.handle)) for s in slots]
         deadline = time.monotonic() + (timeout or self.timeout_s)
         out = []
         for slot, generation, ref in calls:

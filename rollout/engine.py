@@ -190,16 +190,20 @@ class Engine:
         with self._update_lock:
             return self.commit_weights(self.prepare_weights(state_dict), version, inflight)
 
-    def prepare_weights(self, state_dict: Mapping[str, torch.Tensor], immutable: bool = False) -> StagedUpdate:
+    def prepare_weights(
+        self, state_dict: Mapping[str, torch.Tensor], immutable: bool = False, verified_finite: bool = False
+    ) -> StagedUpdate:
         """Phase one of an update: validate and stage, changing nothing live.
 
         Raises `TypeError`/`ValueError` naming the first bad entry. With
         `immutable=True` the tensors must stay unchanged until
         `commit_weights` (they may be committed straight from the source).
+        `verified_finite=True`: the caller has checked for NaN/inf already.
         """
         self._check_open()
         with self._update_lock:
-            return self._updater.stage(self._updater.validate(state_dict), immutable=immutable)
+            items = self._updater.validate(state_dict, check_finite=not verified_finite)
+            return self._updater.stage(items, immutable=immutable)
 
     def discard_weights(self, staged: StagedUpdate) -> None:
         """Drop a prepared update that will not be committed."""

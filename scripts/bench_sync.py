@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""Weight-sync benchmark (DESIGN section 5): push the float32 state dict of a
+Qwen2-shaped model (vocab 32000, hidden 1024, intermediate 2816, 8 layers,
+16 heads, 8 KV heads, tied) to 2 rollout actors, against two in-memory copies
+of the same bytes timed in the same run, and the naive `ray.put` of the dict.
+Also the longest pause in token production during a push against the median
+decode step, while both actors generate.
+
+    .venv/bin/python scripts/bench_sync.py [--pushes 5] [--out runs/bench_sync.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import rollout  # noqa: E402
+from rollout import SamplingParams  # noqa: E402
+
+SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+    model_type="qwen2",
+    rms_norm_eps=1e-6,
+)
+
+
+def hf_shapes() -> dict[str, tuple[int, ...]]:
+    h, i, v, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"], 8 * 64
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    for n in range(SHAPE["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.q_proj.bias": (h,),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+    return shapes
+
+
+def random_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) * 0.02 for n, s in hf_shapes().items()}
+
+
+def write_checkpoint(path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(random_state(0), str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(SHAPE))
+
+
+def copy_floor(nbytes: int, repeats: int = 5) -> float:
+    """Seconds for two in-memory copies of `nbytes` into warm buffers (best of `repeats`)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src).fill_(0)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def naive_push_seconds(state: dict[str, torch.Tensor], actors) -> float:
+    """`ray.put` of the dict of tensors, fetched by every actor (what one-call-per-dict transports do)."""
+    import ray
+
+    start = time.perf_counter()
+    ref = ray.put(state)
+    ray.get([a.remote(ref) for a in actors])
+    return time.perf_counter() - start
+
+
+def longest_pause(cluster, windows: list[tuple[float, float]]) -> dict:
+    """Largest gap between consecutive steps of any actor overlapping a push, and the median gap."""
+    import ray
+
+    logs = ray.get([s.handle.step_log.remote() for s in cluster._slots])
+    gaps, push_gaps = [], []
+    for log in logs:
+        ends = [info.end_time for info in log]
+        for a, b in zip(ends, ends[1:], strict=False):
+            gaps.append(b - a)
+            if any(a < w_end and b > w_start for w_start, w_end in windows):
+                push_gaps.append(b - a)
+    median = statistics.median(gaps)
+    return {"median_step_s": median, "longest_pause_s": max(push_gaps), "pause_in_steps": max(push_gaps) / median}
+
+
+def run(args) -> dict:
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=3,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=3 * 2**30,
+        _system_config={"preallocate_plasma_memory": True},
+    )
+    tmp = Path(tempfile.mkdtemp(prefix="bench_sync_"))
+    write_checkpoint(tmp)
+    cluster = rollout.init(
+        tmp,
+        num_actors=2,
+        num_cpus_per_actor=1,
+        max_seq_len=1024,
+        kv_cache_tokens=16384,
+        max_batch_size=64,
+        timeout_s=600,
+    )
+    states = [random_state(1 + k) for k in range(2)]
+    nbytes = sum(t.nbytes for t in states[0].values())
+    floor = copy_floor(nbytes)
+    first = time.perf_counter()
+    cluster.push_weights(states[0])
+    first = time.perf_counter() - first
+    times = []
+    for k in range(args.pushes):
+        start = time.perf_counter()
+        cluster.push_weights(states[k % 2])
+        times.append(time.perf_counter() - start)
+    push = statistics.median(times)
+    fetch = ray.remote(num_cpus=0)(lambda ref: len(ref)).options
+    naive = naive_push_seconds(states[0], [fetch(), fetch()]) if args.naive else None
+    pause = measure_pause(cluster, states, args.pause_pushes)
+    rollout.shutdown()
+    return {
+        "bytes": nbytes,
+        "floor_two_copies_s": floor,
+        "first_push_s": first,
+        "push_s_median": push,
+        "push_s_all": times,
+        "sync_efficiency": floor / push,
+        "gb_per_s": nbytes / push / 1e9,
+        "naive_put_dict_s": naive,
+        "naive_sync_efficiency": floor / naive if naive else None,
+        **pause,
+    }
+
+
+def measure_pause(cluster, states, pushes: int) -> dict:
+    prompts = [[5 + i, 6, 7, 8] for i in range(16)]
+    handle = cluster.submit(prompts, SamplingParams(n=4, max_tokens=400, ignore_eos=True))
+    deadline = time.monotonic() + 120
+    while not all(h.get("running", 0) for h in cluster.health()):
+        assert time.monotonic() < deadline, "actors never started generating"
+        time.sleep(0.05)
+    time.sleep(1.0)  # steady-state decode before the first push
+    windows = []
+    for k in range(pushes):
+        start = time.time()
+        cluster.push_weights(states[k % 2], inflight="keep")
+        windows.append((start, time.time()))
+        time.sleep(0.5)
+    handle.result(600)
+    return longest_pause(cluster, windows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pushes", type=int, default=5, help="timed pushes after the first")
+    parser.add_argument("--pause-pushes", type=int, default=3, help="pushes during generation")
+    parser.add_argument("--no-naive", dest="naive", action="store_false", help="skip the slow naive baseline")
+    parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_sync.json"))
+    args = parser.parse_args()
+    r = run(args)
+    print(f"state dict: {r['bytes'] / 2**20:.0f} MiB float32, 2 actors, {args.bucket_mb} MiB buckets")
+    print(f"floor (two in-memory copies): {r['floor_two_copies_s'] * 1000:8.1f} ms")
+    print(f"first push (cold buffers):     {r['first_push_s'] * 1000:8.1f} ms")
+    print(
+        f"push, median of {len(r['push_s_all'])}:          {r['push_s_median'] * 1000:8.1f} ms "
+        f"({r['gb_per_s']:.2f} GB/s)"
+    )
+    if r["naive_put_dict_s"]:
+        print(
+            f"naive ray.put(dict):           {r['naive_put_dict_s'] * 1000:8.1f} ms "
+            f"(efficiency {r['naive_sync_efficiency']:.3f})"
+        )
+    print(f"sync_efficiency = floor_time / push_time = {r['sync_efficiency']:.3f}")
+    print(
+        f"longest pause during a push: {r['longest_pause_s'] * 1000:.1f} ms = "
+        f"{r['pause_in_steps']:.2f} x median decode step ({r['median_step_s'] * 1000:.1f} ms)"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(r, indent=2))
+
+
+if __name__ == "__main__":
+    main()
