@@ -56,6 +56,7 @@ class RolloutWorker:
             "tokenizer_json": codec.to_json() if codec else None,
             "pid": os.getpid(),
             "version": self.engine.policy_version,
+            "dtype": str(self.engine.config.dtype).removeprefix("torch."),
         }
 
     def generate_stream(

@@ -119,6 +119,7 @@ class RolloutCluster:
             slot.pid, slot.state = desc["pid"], "alive"
         desc = described[0][1]
         self._limits = desc["limits"]
+        self.engine_dtype: torch.dtype = getattr(torch, desc["dtype"])
         tok = desc["tokenizer_json"]
         self._codec = TextCodec.from_json(tok, desc["eos_token_ids"]) if tok else None
 

@@ -57,28 +57,43 @@ def sample(logits: torch.Tensor, p: SamplingBatch, out_tokens: torch.Tensor, out
     final distribution in vocabulary order, so a row's token depends on its
     own logits and uniform alone, never on which path its batch took.
     """
-    lse_raw = torch.logsumexp(logits, dim=-1)
-    greedy_tokens = logits.argmax(dim=-1) if p.any_greedy else None
     if p.all_greedy:
-        out_tokens.copy_(greedy_tokens)
-        out_logprobs.copy_(logits.gather(1, greedy_tokens[:, None]).squeeze(1) - lse_raw)
+        tokens = logits.argmax(dim=-1)
+        out_tokens.copy_(tokens)
+        out_logprobs.copy_(logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1))
         return
-    greedy = p.temperature == 0
-    temperature = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
-    scaled = logits / temperature[:, None]
-    final = _apply_filters(scaled, p) if p.any_filter else scaled
+    scaled, final = _distributions(logits, p)
     u = counter_uniform(p.seed, p.sample_index, p.rng_pos)
     tokens = _inverse_cdf(torch.softmax(final, dim=-1), u)
-    if greedy_tokens is not None:
-        tokens = torch.where(greedy, greedy_tokens, tokens)
+    if p.any_greedy:
+        tokens = torch.where(p.temperature == 0, logits.argmax(dim=-1), tokens)
+    out_tokens.copy_(tokens)
+    out_logprobs.copy_(_logprobs(logits, scaled, final, tokens, p))
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, p: SamplingBatch) -> torch.Tensor:
+    """Log-probabilities `[R]` of given `tokens` under each row's sampling
+    settings and logprobs mode: exactly what `sample` reports for a token it
+    drew. Differentiable in `logits` (a trainer recomputes with it)."""
+    scaled, final = _distributions(logits, p)
+    return _logprobs(logits, scaled, final, tokens, p)
+
+
+def _distributions(logits: torch.Tensor, p: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature-scaled logits and the final (filtered) ones; greedy rows use temperature 1."""
+    temperature = torch.where(p.temperature == 0, torch.ones_like(p.temperature), p.temperature)
+    scaled = logits / temperature[:, None]
+    return scaled, _apply_filters(scaled, p) if p.any_filter else scaled
+
+
+def _logprobs(logits, scaled, final, tokens, p: SamplingBatch) -> torch.Tensor:
     picked = tokens[:, None]
-    raw = logits.gather(1, picked).squeeze(1) - lse_raw
+    raw = logits.gather(1, picked).squeeze(1) - torch.logsumexp(logits, dim=-1)
     scaled_lp = scaled.gather(1, picked).squeeze(1) - torch.logsumexp(scaled, dim=-1)
     processed = final.gather(1, picked).squeeze(1) - torch.logsumexp(final, dim=-1) if p.any_filter else scaled_lp
     lp = torch.where(p.mode == MODE_CODES["scaled"], scaled_lp, processed)
     lp = torch.where(p.mode == MODE_CODES["raw"], raw, lp)
-    out_tokens.copy_(tokens)
-    out_logprobs.copy_(torch.where(greedy, raw, lp))
+    return torch.where(p.temperature == 0, raw, lp)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

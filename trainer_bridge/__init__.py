@@ -1,0 +1,22 @@
+"""What a trainer imports: `TrainerBridge` (weight pushes with name mapping
+and dtype casts, rollouts as padded batches, the staleness bound),
+`RolloutBatch`, and `token_logprobs` (the engine's logprob math on the
+trainer's model)."""
+
+from .batch import RolloutBatch
+from .bridge import PendingRollout, TrainerBridge
+from .logprobs import logprob_mismatch, token_logprobs
+from .names import canonical_name, export_state_dict
+from .staleness import STALE_ACTIONS, StalenessPolicy
+
+__all__ = [
+    "STALE_ACTIONS",
+    "PendingRollout",
+    "RolloutBatch",
+    "StalenessPolicy",
+    "TrainerBridge",
+    "canonical_name",
+    "export_state_dict",
+    "logprob_mismatch",
+    "token_logprobs",
+]

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import RolloutOutput, Sample, SamplingParams
+from trainer_bridge import RolloutBatch, StalenessPolicy
+
+PARAMS = SamplingParams(n=2, temperature=0.7, top_k=5, logprobs_mode="scaled")
+
+
+def _outputs():
+    return [
+        RolloutOutput(
+            [11, 12],
+            [
+                Sample([21, 22, 23], [-0.1, -0.2, -0.3], [0, 0, 1], "length", "a"),
+                Sample([24], [-0.4], [1], "stop", "b"),
+            ],
+            index=0,
+        ),
+        RolloutOutput(
+            [13, 14, 15, 16],
+            [Sample([25, 26], [-0.5, -0.6], [1, 1], "stop", "c"), Sample([], [], [], "abort", "")],
+            index=1,
+        ),
+    ]
+
+
+def test_layout_against_hand_built_tensors():
+    b = RolloutBatch.from_outputs(_outputs(), PARAMS, policy_version=2, pad_token_id=0)
+    assert torch.equal(b.prompt_ids, torch.tensor([[0, 0, 11, 12], [0, 0, 11, 12], [13, 14, 15, 16], [13, 14, 15, 16]]))
+    assert torch.equal(b.prompt_mask, torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]]))
+    assert torch.equal(b.response_ids, torch.tensor([[21, 22, 23], [24, 0, 0], [25, 26, 0], [0, 0, 0]]))
+    assert torch.equal(b.response_mask, torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]]))
+    assert torch.allclose(b.old_logprobs, torch.tensor([[-0.1, -0.2, -0.3], [-0.4, 0, 0], [-0.5, -0.6, 0], [0, 0, 0]]))
+    assert torch.equal(b.versions, torch.tensor([[0, 0, 1], [1, -1, -1], [1, 1, -1], [-1, -1, -1]]))
+    assert b.group_index.tolist() == [0, 0, 1, 1] and b.sample_index.tolist() == [0, 1, 0, 1]
+    assert b.finish_reasons == ["length", "stop", "stop", "abort"] and b.texts == ["a", "b", "c", ""]
+    assert torch.equal(b.input_ids[1], torch.tensor([0, 0, 11, 12, 24, 0, 0]))
+    assert torch.equal(b.attention_mask[1], torch.tensor([0, 0, 1, 1, 1, 0, 0]))
+    assert torch.equal(b.position_ids[1], torch.tensor([0, 0, 0, 1, 2, 2, 2]))
+    assert torch.equal(b.position_ids[2], torch.tensor([0, 1, 2, 3, 4, 5, 5]))
+    assert b.temperature.tolist() == pytest.approx([0.7] * 4) and b.top_k.tolist() == [5] * 4
+    assert b.staleness == {"max": 2.0, "mean": pytest.approx(6 / 6 + 2 / 6)}  # lags 2,2,1,1,1,1
+    sub = b.select([2, 0])
+    assert sub.group_index.tolist() == [1, 0] and sub.texts == ["c", "a"]
+    assert b.to("cpu").response_ids.data_ptr() == b.response_ids.data_ptr()
+
+
+def test_staleness_policy_marks_old_groups():
+    outs = _outputs()
+    assert StalenessPolicy(None).stale_groups(outs, 5) == []
+    assert StalenessPolicy(1).stale_groups(outs, 2) == [0]  # a token of version 0 is 2 behind
+    assert StalenessPolicy(0).stale_groups(outs, 1) == [0]
+    assert StalenessPolicy(1).stale_groups(outs, 1) == []
+    with pytest.raises(ValueError, match="max_staleness"):
+        StalenessPolicy(-1)
+    with pytest.raises(ValueError, match="stale action"):
+        StalenessPolicy(1, "ignore")
+
+
+def test_empty_batch_is_refused():
+    with pytest.raises(ValueError, match="no samples"):
+        RolloutBatch.from_outputs([], PARAMS, 0)

@@ -1,0 +1,123 @@
+"""`RolloutBatch`: one row per sample, padded tensors ready for a training
+forward and loss, with the rollout logprobs, per-token versions and the
+sampling settings the trainer needs to recompute the same logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from rollout import RolloutOutput, SamplingParams
+from rollout.sampler import MODE_CODES
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: torch.Tensor  # [B, P] int64, left-padded with pad_token_id
+    prompt_mask: torch.Tensor  # [B, P] int64, 1 on real prompt tokens
+    response_ids: torch.Tensor  # [B, R] int64, right-padded
+    response_mask: torch.Tensor  # [B, R] int64, 1 on generated tokens
+    old_logprobs: torch.Tensor  # [B, R] float32 rollout logprobs (0 on padding)
+    versions: torch.Tensor  # [B, R] int64 policy version of each token (-1 on padding)
+    group_index: torch.Tensor  # [B] int64: which prompt of the call the row answers
+    sample_index: torch.Tensor  # [B] int64: which of that prompt's n samples
+    temperature: torch.Tensor  # [B] float32 sampling settings of each row
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    logprobs_mode: torch.Tensor  # [B] int64 rollout.sampler.MODE_CODES
+    finish_reasons: list[str] = field(default_factory=list)
+    texts: list[str | None] = field(default_factory=list)
+    policy_version: int = 0  # the policy version when the batch was assembled
+    mismatch: dict[str, float] | None = None  # set by token_logprobs: rollout vs trainer
+
+    @classmethod
+    def from_outputs(
+        cls, outputs: list[RolloutOutput], params: SamplingParams, policy_version: int, pad_token_id: int = 0
+    ) -> RolloutBatch:
+        rows = [
+            (out.index if out.index is not None else g, k, out, s)
+            for g, out in enumerate(outputs)
+            for k, s in enumerate(out.samples)
+        ]
+        if not rows:
+            raise ValueError("no samples to batch")
+        b = len(rows)
+        p = max(len(out.prompt_token_ids) for _, _, out, _ in rows)
+        r = max(1, max(len(s.token_ids) for *_, s in rows))
+        prompt_ids = torch.full((b, p), pad_token_id, dtype=torch.int64)
+        prompt_mask = torch.zeros((b, p), dtype=torch.int64)
+        response_ids = torch.full((b, r), pad_token_id, dtype=torch.int64)
+        response_mask = torch.zeros((b, r), dtype=torch.int64)
+        old_logprobs = torch.zeros((b, r), dtype=torch.float32)
+        versions = torch.full((b, r), -1, dtype=torch.int64)
+        for i, (_, _, out, s) in enumerate(rows):
+            n_p, n_r = len(out.prompt_token_ids), len(s.token_ids)
+            prompt_ids[i, p - n_p :] = torch.tensor(out.prompt_token_ids)
+            prompt_mask[i, p - n_p :] = 1
+            if n_r:
+                response_ids[i, :n_r] = torch.tensor(s.token_ids)
+                response_mask[i, :n_r] = 1
+                old_logprobs[i, :n_r] = torch.tensor(s.logprobs)
+                versions[i, :n_r] = torch.tensor(s.versions)
+        return cls(
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask,
+            old_logprobs,
+            versions,
+            group_index=torch.tensor([g for g, *_ in rows]),
+            sample_index=torch.tensor([k for _, k, *_ in rows]),
+            temperature=torch.full((b,), float(params.temperature)),
+            top_k=torch.full((b,), params.top_k, dtype=torch.int64),
+            top_p=torch.full((b,), float(params.top_p)),
+            min_p=torch.full((b,), float(params.min_p)),
+            logprobs_mode=torch.full((b,), MODE_CODES[params.logprobs_mode], dtype=torch.int64),
+            finish_reasons=[s.finish_reason for *_, s in rows],
+            texts=[s.text for *_, s in rows],
+            policy_version=policy_version,
+        )
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """[B, P + R] prompt then response."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """Positions counted from each row's first real token (left padding skipped)."""
+        return (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+    @property
+    def staleness(self) -> dict[str, float]:
+        """How many versions behind `policy_version` the tokens are: max and mean."""
+        lag = (self.policy_version - self.versions)[self.response_mask.bool()]
+        if lag.numel() == 0:
+            return {"max": 0.0, "mean": 0.0}
+        return {"max": float(lag.max()), "mean": float(lag.float().mean())}
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
+    def select(self, rows: torch.Tensor | list[int]) -> RolloutBatch:
+        """The rows `rows`, in that order (lists follow)."""
+        idx = torch.as_tensor(rows, dtype=torch.int64)
+        picked = {
+            f.name: getattr(self, f.name)[idx] for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        lists = {name: [getattr(self, name)[i] for i in idx.tolist()] for name in ("finish_reasons", "texts")}
+        return replace(self, **picked, **lists)

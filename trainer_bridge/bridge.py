@@ -1,0 +1,170 @@
+"""`TrainerBridge`: what a trainer holds. It pushes the training model's
+weights, turns rollouts into padded training batches, and enforces the
+staleness bound, over an in-process `Engine` or a `RolloutCluster`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from rollout import Engine, RolloutCluster, RolloutOutput, SamplingParams
+
+from .batch import RolloutBatch
+from .names import export_state_dict
+from .staleness import StalenessPolicy
+
+
+class PendingRollout:
+    """Rollouts started by `TrainerBridge.submit`; hand it to `collect`."""
+
+    def __init__(self, prompts, params: SamplingParams, wait, started: float) -> None:
+        self.prompts = prompts
+        self.params = params
+        self._wait = wait  # timeout -> list[RolloutOutput]
+        self.started = started
+
+    def result(self, timeout: float | None = None) -> list[RolloutOutput]:
+        return self._wait(timeout)
+
+
+class TrainerBridge:
+    """Connects a trainer to rollout engines.
+
+    `target`: a `RolloutCluster` (or the one `rollout.init` returned) or an
+    in-process `Engine`. `max_staleness=k`: samples with a token older than
+    `policy_version - k` are regenerated (`stale="regenerate"`) or their
+    group dropped (`stale="drop"`).
+    """
+
+    def __init__(
+        self,
+        target: RolloutCluster | Engine,
+        max_staleness: int | None = None,
+        stale: str = "regenerate",
+        pad_token_id: int = 0,
+        metrics=None,
+    ) -> None:
+        if not isinstance(target, (RolloutCluster, Engine)):
+            raise TypeError(f"target must be a RolloutCluster or an Engine, got {type(target).__name__}")
+        self.target = target
+        self.policy = StalenessPolicy(max_staleness, stale)
+        self.pad_token_id = pad_token_id
+        self.metrics = metrics
+        self.last_push_seconds: float | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.config.dtype if isinstance(self.target, Engine) else self.target.engine_dtype
+
+    @property
+    def policy_version(self) -> int:
+        t = self.target
+        return t.policy_version if isinstance(t, Engine) else t.policy_version()
+
+    def push(
+        self,
+        model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+        version: int | None = None,
+        inflight: str = "recompute",
+    ) -> int:
+        """Push the model's weights (wrapper prefixes stripped, cast to the
+        engine's dtype); returns the new policy version."""
+        state = export_state_dict(model_or_state_dict, self.dtype)
+        start = time.perf_counter()
+        if isinstance(self.target, Engine):
+            v = self.target.update_weights(state, version, inflight)
+        else:
+            v = self.target.push_weights(state, version, inflight)
+        self.last_push_seconds = time.perf_counter() - start
+        self._log({"push/seconds": self.last_push_seconds, "push/version": v})
+        return v
+
+    def generate(self, prompts, params: SamplingParams | None = None, timeout: float | None = None) -> RolloutBatch:
+        """Rollouts as a training batch (staleness bound enforced)."""
+        return self.collect(self.submit(prompts, params), timeout)
+
+    def submit(self, prompts, params: SamplingParams | None = None) -> PendingRollout:
+        """Start rollouts now and return at once (generation one step ahead of training)."""
+        params = SamplingParams() if params is None else params
+        started = time.perf_counter()
+        if isinstance(self.target, RolloutCluster):
+            handle = self.target.submit(prompts, params)
+            return PendingRollout(prompts, params, handle.result, started)
+        return PendingRollout(prompts, params, _in_thread(self.target.generate, prompts, params), started)
+
+    def collect(self, pending: PendingRollout, timeout: float | None = None) -> RolloutBatch:
+        """Wait for `pending`, apply the staleness policy, and batch the result."""
+        outputs = pending.result(timeout)
+        submitted = len(outputs)
+        for _ in range(self.policy.max_regenerations + 1):
+            current = self.policy_version
+            stale = self.policy.stale_groups(outputs, current)
+            if not stale:
+                break
+            if self.policy.action == "drop":
+                outputs = [o for i, o in enumerate(outputs) if i not in set(stale)]
+                break
+            outputs = self._regenerate(outputs, stale, pending.params)
+        else:
+            raise RuntimeError(
+                f"rollouts still staler than max_staleness={self.policy.max_staleness} after "
+                f"{self.policy.max_regenerations} regenerations; the policy moves faster than it samples"
+            )
+        if not outputs:
+            raise ValueError(
+                f"every prompt group was staler than max_staleness={self.policy.max_staleness} and was dropped"
+            )
+        batch = RolloutBatch.from_outputs(outputs, pending.params, current, self.pad_token_id)
+        tokens = int(batch.response_mask.sum())
+        elapsed = time.perf_counter() - pending.started
+        self._log(
+            {
+                "rollout/tokens": tokens,
+                "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
+                "rollout/staleness_max": batch.staleness["max"],
+                "rollout/staleness_mean": batch.staleness["mean"],
+                "rollout/dropped_groups": submitted - len(outputs),
+            }
+        )
+        return batch
+
+    def _regenerate(self, outputs, stale: list[int], params: SamplingParams) -> list[RolloutOutput]:
+        fresh = self.target.generate([outputs[i].prompt_token_ids for i in stale], params)
+        outputs = list(outputs)
+        for i, out in zip(stale, fresh, strict=True):
+            out.index, out.prompt = outputs[i].index, outputs[i].prompt
+            outputs[i] = out
+        return outputs
+
+    def _log(self, values: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.log(values)
+
+
+def _in_thread(fn, *args):
+    """Run `fn(*args)` in a thread; returns `wait(timeout)` giving its result or raising its error."""
+    box: dict = {}
+    done = threading.Event()
+
+    def run():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # handed to the waiter
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="rollout-bridge-generate", daemon=True).start()
+
+    def wait(timeout):
+        if not done.wait(timeout):
+            raise TimeoutError(f"rollouts not finished after {timeout} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    return wait

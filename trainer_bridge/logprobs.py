@@ -1,0 +1,69 @@
+"""Trainer-side recompute of the rollout logprobs with the engine's exact
+math (the same `rollout.sampler.logprobs_of`), and the rollout-vs-trainer
+mismatch every RL framework's users ask for."""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.sampler import SamplingBatch, logprobs_of
+
+from .batch import RolloutBatch
+
+
+def token_logprobs(model: torch.nn.Module, batch: RolloutBatch, chunk_rows: int = 4096) -> torch.Tensor:
+    """Log-probabilities `[B, R]` of the batch's response tokens under `model`
+    (a Hugging Face causal LM, or any module returning `.logits`), computed in
+    float32 with each row's temperature, filters and `logprobs_mode`; 0 on
+    padding. Differentiable; also sets `batch.mismatch` against the rollout's
+    logprobs. `chunk_rows` bounds the `[tokens, vocab]` working set."""
+    p = batch.prompt_ids.shape[1]
+    r = batch.response_ids.shape[1]
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+    ).logits
+    logits = logits[:, p - 1 : p + r - 1].float()  # the logits that predicted each response token
+    mask = batch.response_mask.bool()
+    rows, cols = mask.nonzero(as_tuple=True)
+    values = []
+    for start in range(0, rows.numel(), chunk_rows):
+        rr, cc = rows[start : start + chunk_rows], cols[start : start + chunk_rows]
+        values.append(logprobs_of(logits[rr, cc], batch.response_ids[rr, cc], _sampling(batch, rr)))
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    if values:
+        out = out.index_put((rows, cols), torch.cat(values))
+    batch.mismatch = logprob_mismatch(batch.old_logprobs.to(out.device), out.detach(), mask)
+    return out
+
+
+def _sampling(batch: RolloutBatch, rows: torch.Tensor) -> SamplingBatch:
+    temperature, top_k = batch.temperature[rows], batch.top_k[rows]
+    top_p, min_p = batch.top_p[rows], batch.min_p[rows]
+    greedy = temperature == 0
+    zeros = torch.zeros_like(top_k)
+    return SamplingBatch(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=zeros,
+        sample_index=zeros,
+        rng_pos=zeros,
+        mode=batch.logprobs_mode[rows],
+        any_filter=bool(((top_k > 0) | (top_p < 1) | (min_p > 0)).any()),
+        any_greedy=bool(greedy.any()),
+        all_greedy=bool(greedy.all()),
+    )
+
+
+def logprob_mismatch(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean and max |trainer - rollout| logprob over `mask`, and the k3
+    estimate of KL(rollout || trainer): mean of exp(d) - 1 - d, d = trainer - rollout."""
+    d = (trainer - rollout)[mask.bool()].double()
+    if d.numel() == 0:
+        return {"mean_abs": 0.0, "max_abs": 0.0, "k3_kl": 0.0}
+    return {
+        "mean_abs": float(d.abs().mean()),
+        "max_abs": float(d.abs().max()),
+        "k3_kl": float((d.exp() - 1 - d).mean()),
+    }
