@@ -1,0 +1,159 @@
+"""`rollout generate`: offline sampling from a checkpoint to JSON lines.
+
+    rollout generate --model DIR --prompts FILE.jsonl --n 8 --out OUT.jsonl
+
+Each input line is a JSON string (a text prompt), a list of token ids, or an
+object with "prompt" (text) or "prompt_token_ids". Each output line holds
+one prompt's samples with token ids, logprobs, versions, finish reasons and
+texts, in input order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .engine import Engine
+from .sampling_params import LOGPROBS_MODES, SamplingParams
+
+
+def read_prompts(path: Path) -> list:
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not valid JSON: {e}") from None
+        if isinstance(item, dict):
+            item = item.get("prompt", item.get("prompt_token_ids"))
+        if not isinstance(item, (str, list)):
+            raise ValueError(
+                f"{path}:{number}: expected a string, a list of token ids, or an object with "
+                "'prompt' or 'prompt_token_ids'"
+            )
+        prompts.append(item)
+    return prompts
+
+
+def output_record(out) -> dict:
+    return {
+        "index": out.index,
+        "prompt": out.prompt,
+        "prompt_token_ids": out.prompt_token_ids,
+        "samples": [
+            {
+                "token_ids": s.token_ids,
+                "logprobs": s.logprobs,
+                "versions": s.versions,
+                "finish_reason": s.finish_reason,
+                "text": s.text,
+            }
+            for s in out.samples
+        ],
+    }
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, enabled: bool = True, width: int = 30) -> None:
+        self.total, self.done, self.width, self.enabled = total, 0, width, enabled
+        self.start = time.perf_counter()
+
+    def update(self, tokens: int) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        filled = int(self.width * self.done / max(self.total, 1))
+        rate = tokens / max(time.perf_counter() - self.start, 1e-9)
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} prompts, {rate:.0f} tokens/s"
+        )
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def generate(args: argparse.Namespace) -> int:
+    prompts = read_prompts(args.prompts)
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        stop=args.stop or None,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+        logprobs_mode=args.logprobs_mode,
+    )
+    engine = Engine(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        kv_cache_tokens=args.kv_cache_tokens,
+    )
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    if any(texts) and engine.tokenizer is None:
+        raise ValueError(f"{args.prompts} has text prompts but {args.model} has no tokenizer.json")
+    # Text lines are tokenized here so one file may mix text and token-id prompts.
+    token_lists = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    results: list = [None] * len(prompts)
+    bar, tokens = ProgressBar(len(prompts), enabled=not args.quiet), 0
+    for index, out in engine.generate_iter(token_lists, params):
+        out.prompt = texts[index]
+        results[index] = out
+        tokens += sum(len(s.token_ids) for s in out.samples)
+        bar.update(tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w") as f:
+        for out in results:
+            f.write(json.dumps(output_record(out)) + "\n")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollout", description="RL rollout engine tools")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="sample responses for a JSONL file of prompts")
+    g.add_argument("--model", required=True, type=Path, help="Hugging Face checkpoint directory")
+    g.add_argument("--prompts", required=True, type=Path, help="JSONL: one prompt per line")
+    g.add_argument("--out", required=True, type=Path, help="JSONL output, one line per prompt")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="processed")
+    g.add_argument("--device", default=None)
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--max-batch-size", type=int, default=256)
+    g.add_argument("--max-seq-len", type=int, default=None)
+    g.add_argument("--kv-cache-tokens", type=int, default=None)
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return generate(args)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"rollout {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
