@@ -71,7 +71,7 @@ def make_checkpoint(
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family, **overrides), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config(family, **overrides), dtype=torch.float32)
     _randomize(model, seed)
     model.eval()
     path.mkdir(parents=True, exist_ok=True)

@@ -154,7 +154,7 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
         row = {
             "step": step,
             "reward": float(reward.mean()),
-            "loss": float(loss),
+            "loss": loss.item(),
             "version": version,
             "staleness_max": batch.staleness["max"],
             "push_seconds": bridge.last_push_seconds,
