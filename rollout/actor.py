@@ -124,8 +124,8 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    def step_log(self) -> list:
-        return self.engine.step_log()
+    def step_log(self, since: float | None = None) -> list:
+        return self.engine.step_log(since)
 
     def inject_fault(self, method: str, message: str) -> None:
         """Fault injection for tests and drills: the next call of `method`

@@ -394,6 +394,13 @@ class RolloutCluster:
             report.append(entry)
         return report
 
+    def step_logs(self, since: float | None = None) -> list[list]:
+        """Each live actor's recent `StepInfo`s (ended after `since`), for pause and throughput metrics."""
+        with self._cond:
+            slots = [s for s in self._slots if s.state == "alive"]
+        results = self._call_all(slots, lambda h: h.step_log.remote(since), "reporting its step log")
+        return [r for _, r in results if not isinstance(r, BaseException)]
+
     def wait_until_healthy(self, timeout: float | None = None) -> None:
         """Block until every actor is alive (after respawns), or raise `TimeoutError`."""
         deadline = time.monotonic() + (timeout or self.timeout_s)

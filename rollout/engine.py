@@ -257,11 +257,13 @@ class Engine:
             "decode_cache_misses": self.decode_cache.misses,
         }
 
-    def step_log(self) -> list[StepInfo]:
+    def step_log(self, since: float | None = None) -> list[StepInfo]:
         """The most recent steps (up to 8192), oldest first: when each ended, its
-        duration, version and sizes. Gaps between steps show generation pauses."""
+        duration, version and sizes; only those ending after `since` (a
+        `time.time()` value) when given. Gaps between steps show generation pauses."""
         with self._guard.held():
-            return list(self._step_log)
+            log = list(self._step_log)
+        return log if since is None else [info for info in log if info.end_time > since]
 
     def close(self) -> None:
         """Release the KV pool and workspace; later calls raise."""

@@ -55,6 +55,7 @@ class TrainerBridge:
         self.pad_token_id = pad_token_id
         self.metrics = metrics
         self.last_push_seconds: float | None = None
+        self.last_push_pause: float = 0.0  # longest gap between generation steps across the last push
 
     @property
     def dtype(self) -> torch.dtype:
@@ -74,14 +75,31 @@ class TrainerBridge:
         """Push the model's weights (wrapper prefixes stripped, cast to the
         engine's dtype); returns the new policy version."""
         state = export_state_dict(model_or_state_dict, self.dtype)
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         if isinstance(self.target, Engine):
             v = self.target.update_weights(state, version, inflight)
         else:
             v = self.target.push_weights(state, version, inflight)
         self.last_push_seconds = time.perf_counter() - start
-        self._log({"push/seconds": self.last_push_seconds, "push/version": v})
+        self.last_push_pause = generation_pause(self._step_logs(wall - 60.0), wall, time.time())
+        self._log(
+            {"push/seconds": self.last_push_seconds, "push/version": v, "push/generation_pause_s": self.last_push_pause}
+        )
         return v
+
+    def _step_logs(self, since: float) -> list[list]:
+        if isinstance(self.target, Engine):
+            return [self.target.step_log(since)]
+        return self.target.step_logs(since)
+
+    def kv_usage(self) -> float:
+        """Fraction of KV pages in use, over all engines."""
+        if isinstance(self.target, Engine):
+            stats = [self.target.stats()]
+        else:
+            stats = [h for h in self.target.health() if "kv_pages_total" in h]
+        total = sum(s["kv_pages_total"] for s in stats)
+        return sum(s["kv_pages_used"] for s in stats) / total if total else 0.0
 
     def generate(self, prompts, params: SamplingParams | None = None, timeout: float | None = None) -> RolloutBatch:
         """Rollouts as a training batch (staleness bound enforced)."""
@@ -128,6 +146,7 @@ class TrainerBridge:
                 "rollout/staleness_max": batch.staleness["max"],
                 "rollout/staleness_mean": batch.staleness["mean"],
                 "rollout/dropped_groups": submitted - len(outputs),
+                "rollout/kv_usage": self.kv_usage(),
             }
         )
         return batch
@@ -143,6 +162,18 @@ class TrainerBridge:
     def _log(self, values: dict) -> None:
         if self.metrics is not None:
             self.metrics.log(values)
+
+
+def generation_pause(logs: list[list], start: float, end: float) -> float:
+    """The longest gap between consecutive steps of any engine that overlaps
+    `[start, end]` (seconds); 0 when no engine was generating then."""
+    longest = 0.0
+    for log in logs:
+        ends = [info.end_time for info in log]
+        for a, b in zip(ends, ends[1:], strict=False):
+            if a < end and b > start:
+                longest = max(longest, b - a)
+    return longest
 
 
 def _in_thread(fn, *args):

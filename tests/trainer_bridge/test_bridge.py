@@ -111,3 +111,32 @@ def test_bridge_over_a_cluster(ray_session, qwen2, hf_b):
 def test_bridge_rejects_other_targets():
     with pytest.raises(TypeError, match="RolloutCluster or an Engine"):
         TrainerBridge(object())
+
+
+def test_push_reports_the_generation_pause_and_kv_usage(qwen2, hf_b):
+    import threading
+
+    engine = make_engine(qwen2.path)
+    bridge = TrainerBridge(engine)
+    started = threading.Event()
+    engine._step_callback = lambda info: started.set()
+    pending = bridge.submit(PROMPTS * 4, SamplingParams(n=4, max_tokens=120, ignore_eos=True, seed=1))
+    assert started.wait(60)
+    bridge.push(hf_b, inflight="keep")
+    batch = bridge.collect(pending, timeout=120)
+    log = engine.step_log()
+    gaps = [b.end_time - a.end_time for a, b in zip(log, log[1:], strict=False)]
+    assert 0 < bridge.last_push_pause <= max(gaps)  # a real gap between two steps around the push
+    assert {0, 1} <= set(batch.versions[batch.response_mask.bool()].tolist())
+    assert bridge.kv_usage() == 0.0  # everything finished and released
+
+
+def test_generation_pause_counts_only_gaps_overlapping_the_push():
+    from types import SimpleNamespace
+
+    from trainer_bridge.bridge import generation_pause
+
+    log = [SimpleNamespace(end_time=t) for t in (1.0, 1.1, 1.2, 1.9, 2.0)]
+    assert generation_pause([log], 1.5, 1.6) == pytest.approx(0.7)
+    assert generation_pause([log], 1.05, 1.08) == pytest.approx(0.1)
+    assert generation_pause([log], 3.0, 4.0) == 0.0
