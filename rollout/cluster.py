@@ -25,7 +25,7 @@ from .engine import INFLIGHT_MODES
 from .handles import GenerationHandle, PushHandle
 from .outputs import RolloutOutput
 from .prompts import validate_prompts
-from .ray_runtime import connect, create_actor, plan_placement, ray_module, reserve
+from .ray_runtime import GENERATE, connect, control, create_actor, plan_placement, ray_module, reserve
 from .sampling_params import SamplingParams
 from .tokenizer import TextCodec
 from .wire import DEFAULT_BUCKET_BYTES, BucketPacker, Manifest
@@ -81,7 +81,7 @@ class RolloutCluster:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 300.0,
         stall_timeout_s: float = 600.0,
-        max_concurrency: int = 64,
+        generate_concurrency: int = 16,
         ray_init_kwargs: dict | None = None,
         **engine_kwargs,
     ) -> None:
@@ -91,7 +91,7 @@ class RolloutCluster:
         self._packer = BucketPacker(bucket_bytes)
         self.model_path = str(model_path)
         self.timeout_s, self.stall_timeout_s = timeout_s, stall_timeout_s
-        self._max_concurrency = max_concurrency
+        self._generate_threads = generate_concurrency
         self._engine_kwargs = dict(engine_kwargs)
         self._version = 0
         self._published: Published | None = None
@@ -112,7 +112,7 @@ class RolloutCluster:
         self._pg = reserve(self._placement, self.timeout_s)
         self._engine_kwargs.setdefault("device", "cuda" if self._placement.gpus else "cpu")
         self._slots = [ActorSlot(i, self._spawn(i, None)) for i in range(num_actors)]
-        described = self._call_all(self._slots, lambda h: h.describe.remote(), "starting")
+        described = self._call_all(self._slots, lambda h: control(h, "describe").remote(), "starting")
         for slot, desc in described:
             if isinstance(desc, BaseException):
                 raise RuntimeError(f"{slot.label} failed to start: {desc}") from desc
@@ -127,7 +127,7 @@ class RolloutCluster:
         args: tuple = (self.model_path, self._engine_kwargs, self._placement.cpus)
         if published is not None:
             args += (published.manifest, published.version, *published.refs)
-        return create_actor(RolloutWorker, self._pg, index, self._placement, args, self._max_concurrency)
+        return create_actor(RolloutWorker, self._pg, index, self._placement, args, self._generate_threads)
 
     # -- generation ------------------------------------------------------------------------
     def generate(
@@ -163,7 +163,9 @@ class RolloutCluster:
         for slot, generation, actor, share in work:
             if share:
                 handle._assign(share, slot.label)
-                stream = actor.generate_stream.remote(share, [prompts[i] for i in share], params)
+                stream = actor.generate_stream.options(concurrency_group=GENERATE).remote(
+                    share, [prompts[i] for i in share], params
+                )
                 threading.Thread(
                     target=self._consume,
                     args=(handle, prompts, params, slot, generation, share, stream),
@@ -252,14 +254,16 @@ class RolloutCluster:
             manifest, refs, received = self._ship(state_dict, push_id, slots, version)
             prepared = self._call_all(
                 [s for s, r in received if not isinstance(r, BaseException)],
-                lambda h: h.prepare_push.remote(push_id, manifest),
+                lambda h: control(h, "prepare_push").remote(push_id, manifest),
                 f"preparing weight push v{version}",
             )
             results = [(s, r) for s, r in received if isinstance(r, BaseException)] + prepared
             ready = [s for s, r in results if not isinstance(r, BaseException)]
             rejected = [(s, r) for s, r in results if isinstance(r, BaseException) and not isinstance(r, ActorGone)]
             if rejected:
-                self._call_all(slots, lambda h: h.abort_push.remote(push_id), f"aborting weight push v{version}")
+                self._call_all(
+                    slots, lambda h: control(h, "abort_push").remote(push_id), f"aborting weight push v{version}"
+                )
                 raise _rejection(*rejected[0], version)
             self._published = Published(manifest, version, refs)
             self._commit(ready, push_id, version, inflight)
@@ -279,7 +283,11 @@ class RolloutCluster:
             sizes.append(bucket.nbytes)
             for slot in slots:
                 calls.append(
-                    (slot, slot.generation, slot.handle.stage_bucket.remote(push_id, index, bucket_entries, ref))
+                    (
+                        slot,
+                        slot.generation,
+                        control(slot.handle, "stage_bucket").remote(push_id, index, bucket_entries, ref),
+                    )
                 )
         per_slot: dict[int, object] = {}
         for slot, result in self._collect(calls, f"receiving weight push v{version}"):
@@ -293,7 +301,7 @@ class RolloutCluster:
     def _commit(self, ready: list[ActorSlot], push_id: str, version: int, inflight: str) -> None:
         committed = self._call_all(
             ready,
-            lambda h: h.commit_push.remote(push_id, version, inflight),
+            lambda h: control(h, "commit_push").remote(push_id, version, inflight),
             f"committing weight push v{version} ({inflight})",
             timeout=max(self.timeout_s, self.stall_timeout_s) if inflight == "drain" else self.timeout_s,
         )
@@ -313,7 +321,9 @@ class RolloutCluster:
         return requested
 
     def policy_version(self) -> int:
-        """The version of the last push every live actor committed."""
+        """The version of the last push every live actor committed. While a
+        push is committing, actors that have committed it already serve its
+        version, so tokens may be one version newer than this."""
         return self._version
 
     # -- actors ----------------------------------------------------------------------------
@@ -365,7 +375,7 @@ class RolloutCluster:
                 pass
             handle = self._spawn(slot.index, self._published)
             try:
-                desc = ray.get(handle.describe.remote(), timeout=self.timeout_s)
+                desc = ray.get(control(handle, "describe").remote(), timeout=self.timeout_s)
             except Exception as e:
                 with self._cond:
                     slot.state, slot.error = "dead", f"replacement failed to start: {e}"
@@ -386,7 +396,7 @@ class RolloutCluster:
             entry = {"index": slot.index, "state": slot.state, "pid": slot.pid, "load": slot.load}
             if slot.state == "alive":
                 try:
-                    entry.update(ray.get(slot.handle.health.remote(), timeout=min(self.timeout_s, 30.0)))
+                    entry.update(ray.get(control(slot.handle, "health").remote(), timeout=min(self.timeout_s, 30.0)))
                 except Exception as e:
                     entry["state"], entry["error"] = "unreachable", str(e).splitlines()[0]
             elif slot.error:
@@ -398,7 +408,7 @@ class RolloutCluster:
         """Each live actor's recent `StepInfo`s (ended after `since`), for pause and throughput metrics."""
         with self._cond:
             slots = [s for s in self._slots if s.state == "alive"]
-        results = self._call_all(slots, lambda h: h.step_log.remote(since), "reporting its step log")
+        results = self._call_all(slots, lambda h: control(h, "step_log").remote(since), "reporting its step log")
         return [r for _, r in results if not isinstance(r, BaseException)]
 
     def wait_until_healthy(self, timeout: float | None = None) -> None:

@@ -86,15 +86,28 @@ def reserve(placement: Placement, timeout_s: float):
     return pg
 
 
-def create_actor(worker_cls, pg, index: int, placement: Placement, args: tuple, max_concurrency: int) -> Any:
+CONTROL = "control"  # pushes, health, logs: never queued behind generation
+GENERATE = "generate"
+
+
+def create_actor(worker_cls, pg, index: int, placement: Placement, args: tuple, generate_threads: int) -> Any:
+    """A rollout actor with two thread pools: `generate_threads` threads for
+    generate streams, and a small separate pool for control calls, so a
+    weight push is never stuck behind long generations. Bounding the threads
+    also bounds memory: every thread that runs torch keeps scratch buffers."""
     ray = ray_module()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    remote_cls = ray.remote(worker_cls)
+    # Concurrency groups can only be declared when the class is made remote.
+    remote_cls = ray.remote(max_concurrency=2, concurrency_groups={CONTROL: 4, GENERATE: generate_threads})(worker_cls)
     return remote_cls.options(
         num_cpus=placement.cpus,
         num_gpus=placement.gpus,
-        max_concurrency=max_concurrency,
         max_restarts=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
     ).remote(*args)
+
+
+def control(handle, method: str):
+    """`handle.method` bound to the control thread pool."""
+    return getattr(handle, method).options(concurrency_group=CONTROL)

@@ -25,53 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rollout  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
+from rollout.synthetic import qwen2_config, random_state, write_checkpoint  # noqa: E402
 
-SHAPE = dict(
-    vocab_size=32000,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
-    model_type="qwen2",
-    rms_norm_eps=1e-6,
-)
-
-
-def hf_shapes() -> dict[str, tuple[int, ...]]:
-    h, i, v, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"], 8 * 64
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    for n in range(SHAPE["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (h, h),
-            p + "self_attn.q_proj.bias": (h,),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        }
-    return shapes
-
-
-def random_state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s, generator=g) * 0.02 for n, s in hf_shapes().items()}
-
-
-def write_checkpoint(path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file(random_state(0), str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(SHAPE))
+CONFIG = qwen2_config()
 
 
 def copy_floor(nbytes: int, repeats: int = 5) -> float:
@@ -125,7 +81,7 @@ def run(args) -> dict:
         _system_config={"preallocate_plasma_memory": True},
     )
     tmp = Path(tempfile.mkdtemp(prefix="bench_sync_"))
-    write_checkpoint(tmp)
+    write_checkpoint(tmp, CONFIG)
     cluster = rollout.init(
         tmp,
         num_actors=2,
@@ -135,7 +91,7 @@ def run(args) -> dict:
         max_batch_size=64,
         timeout_s=600,
     )
-    states = [random_state(1 + k) for k in range(2)]
+    states = [random_state(CONFIG, 1 + k) for k in range(2)]
     nbytes = sum(t.nbytes for t in states[0].values())
     floor = copy_floor(nbytes)
     first = time.perf_counter()

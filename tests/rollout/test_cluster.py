@@ -173,6 +173,18 @@ def test_push_while_an_actor_is_dead_neither_hangs_nor_splits_versions(cluster, 
     assert_per_version(outs, policies)
 
 
+def test_actor_killed_during_a_push_all_actors_end_on_one_version(cluster, policies):
+    victim = cluster.health()[0]["pid"]
+    handle = cluster.push_weights(policies[1].state_dict(), wait=False)
+    os.kill(victim, signal.SIGKILL)  # lands before, during or after the push: every case must converge
+    version = handle.result(120)
+    cluster.wait_until_healthy(120)
+    assert version == 1 and {h["version"] for h in cluster.health()} == {1}
+    outs = cluster.generate(PROMPTS * 2, PARAMS)
+    assert {v for o in outs for s in o.samples for v in s.versions} == {1}
+    assert_per_version(outs, policies)
+
+
 def test_as_completed_yields_every_prompt_once(cluster):
     handle = cluster.submit(PROMPTS, SamplingParams(n=2, max_tokens=30, seed=1, stop_token_ids=[10, 11, 12]))
     seen = [o.index for o in handle.as_completed(timeout=60)]
