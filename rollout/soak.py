@@ -87,72 +87,86 @@ def soak(
     seed: int = 0,
 ) -> SoakReport:
     """Run the load for `seconds`; `states` are the weights pushed in turn (the last one last)."""
-    report = SoakReport()
-    stop = threading.Event()
-    lock = threading.Lock()
-    vocab = cluster._limits.vocab_size
-    driver_rss: list[int] = []
-    actor_rss: dict[int, list[int]] = {}
-
-    def caller(index: int) -> None:
-        rng = random.Random(seed * 1000 + index)
-        while not stop.is_set():
-            prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(1, 6))]
-            params = random_params(rng, vocab)
-            try:
-                outs = cluster.generate(prompts, params, timeout=120)
-                # While a push commits, actors that committed already serve its version.
-                newest = cluster.policy_version() + 1
-                problems = [p for out in outs for p in check_output(out, params, vocab, newest)]
-            except Exception as e:  # recorded, and the soak fails
-                problems = [f"caller {index}: {type(e).__name__}: {e}"]
-                outs = []
-            with lock:
-                report.calls += 1
-                report.samples += sum(len(o.samples) for o in outs)
-                report.tokens += sum(len(s.token_ids) for o in outs for s in o.samples)
-                report.errors.extend(problems)
-
-    def pusher() -> None:
-        k = 0
-        while not stop.wait(push_every):
-            mode = INFLIGHT_MODES[k % len(INFLIGHT_MODES)]
-            try:
-                cluster.push_weights(states[k % (len(states) - 1)], inflight=mode)
-            except Exception as e:  # recorded, and the soak fails
-                with lock:
-                    report.errors.append(f"push {k} ({mode}): {type(e).__name__}: {e}")
-            with lock:
-                report.pushes += 1
-                report.pushes_by_mode[mode] = report.pushes_by_mode.get(mode, 0) + 1
-            k += 1
-
-    def sampler() -> None:
-        while not stop.wait(0.5):
-            driver_rss.append(resident_bytes())
-            for h in cluster.health():
-                if h.get("rss_bytes"):
-                    actor_rss.setdefault(h["pid"], []).append(h["rss_bytes"])
-                    actor_rss.setdefault(f"{h['pid']}-private", []).append(h["rss_private_bytes"])
-                    actor_rss.setdefault(f"{h['pid']}-shared", []).append(h["rss_shared_bytes"])
-
-    threads = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(callers)]
-    threads += [threading.Thread(target=pusher, daemon=True), threading.Thread(target=sampler, daemon=True)]
+    load = _Load(cluster, states, push_every, seed)
+    threads = [
+        threading.Thread(target=load.caller, args=(i,), name=f"soak-caller-{i}", daemon=True) for i in range(callers)
+    ]
+    threads += [
+        threading.Thread(target=load.pusher, name="soak-pusher", daemon=True),
+        threading.Thread(target=load.sampler, name="soak-memory", daemon=True),
+    ]
     start = time.monotonic()
     for t in threads:
         t.start()
     time.sleep(seconds)
-    stop.set()
+    load.stop.set()
+    report = load.report
     for t in threads:
         t.join(180)
         if t.is_alive():
             report.errors.append(f"{t.name} did not stop within 180 s (hang)")
     report.seconds = time.monotonic() - start
-    report.rss_series = {"driver": driver_rss, **{str(pid): v for pid, v in actor_rss.items()}}
-    report.driver_rss_growth = growth(driver_rss)
-    report.actor_rss_growth = max((growth(v) for v in actor_rss.values() if len(v) >= 4), default=0.0)
+    report.rss_series = {"driver": load.driver_rss, **{str(k): v for k, v in load.actor_rss.items()}}
+    report.driver_rss_growth = growth(load.driver_rss)
+    report.actor_rss_growth = max(
+        (growth(v) for k, v in load.actor_rss.items() if isinstance(k, int) and len(v) >= 4), default=0.0
+    )
     report.final_exact = final_push_serves_exactly(cluster, states[-1])
     return report
+
+
+class _Load:
+    """The soak's threads: callers, the pusher and the memory sampler, sharing one report."""
+
+    def __init__(self, cluster: RolloutCluster, states, push_every: float, seed: int) -> None:
+        self.cluster, self.states, self.push_every, self.seed = cluster, states, push_every, seed
+        self.report = SoakReport()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.vocab = cluster._limits.vocab_size
+        self.driver_rss: list[int] = []
+        self.actor_rss: dict = {}  # pid -> all resident bytes; "pid-private"/"pid-shared" -> the split
+
+    def caller(self, index: int) -> None:
+        rng = random.Random(self.seed * 1000 + index)
+        while not self.stop.is_set():
+            prompts = [[rng.randrange(self.vocab) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(1, 6))]
+            params = random_params(rng, self.vocab)
+            try:
+                outs = self.cluster.generate(prompts, params, timeout=120)
+                # While a push commits, actors that committed already serve its version.
+                newest = self.cluster.policy_version() + 1
+                problems = [p for out in outs for p in check_output(out, params, self.vocab, newest)]
+            except Exception as e:  # recorded, and the soak fails
+                problems, outs = [f"caller {index}: {type(e).__name__}: {e}"], []
+            with self.lock:
+                self.report.calls += 1
+                self.report.samples += sum(len(o.samples) for o in outs)
+                self.report.tokens += sum(len(s.token_ids) for o in outs for s in o.samples)
+                self.report.errors.extend(problems)
+
+    def pusher(self) -> None:
+        k = 0
+        while not self.stop.wait(self.push_every):
+            mode = INFLIGHT_MODES[k % len(INFLIGHT_MODES)]
+            try:
+                self.cluster.push_weights(self.states[k % (len(self.states) - 1)], inflight=mode)
+            except Exception as e:  # recorded, and the soak fails
+                with self.lock:
+                    self.report.errors.append(f"push {k} ({mode}): {type(e).__name__}: {e}")
+            with self.lock:
+                self.report.pushes += 1
+                self.report.pushes_by_mode[mode] = self.report.pushes_by_mode.get(mode, 0) + 1
+            k += 1
+
+    def sampler(self) -> None:
+        while not self.stop.wait(0.5):
+            self.driver_rss.append(resident_bytes())
+            for h in self.cluster.health():
+                if h.get("rss_bytes"):
+                    self.actor_rss.setdefault(h["pid"], []).append(h["rss_bytes"])
+                    self.actor_rss.setdefault(f"{h['pid']}-private", []).append(h["rss_private_bytes"])
+                    self.actor_rss.setdefault(f"{h['pid']}-shared", []).append(h["rss_shared_bytes"])
 
 
 def growth(samples: list[int]) -> float:
