@@ -6,13 +6,14 @@ layer (`init`, `generate`, `push_weights`, ...) imports Ray when first used.
 
 from .api import generate, health, init, policy_version, push_weights, shutdown, submit
 from .cluster import RolloutCluster
-from .engine import INFLIGHT_MODES, Engine, StepInfo
+from .engine import INFLIGHT_MODES, ClosedError, Engine, StepInfo
 from .handles import GenerationHandle, PushHandle
 from .outputs import RolloutOutput, Sample
 from .sampling_params import LOGPROBS_MODES, SamplingParams
 from .version_guard import PolicyVersionGuard
 
 __all__ = [
+    "ClosedError",
     "GenerationHandle",
     "PushHandle",
     "RolloutCluster",

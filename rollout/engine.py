@@ -35,6 +35,12 @@ INFLIGHT_MODES = ("recompute", "keep", "drain", "restart")
 _STEP_LOG_SIZE = 8192
 
 
+class ClosedError(ValueError, RuntimeError):
+    """A call on an engine or cluster that was closed or shut down. A
+    ValueError (as for I/O on a closed file) and a RuntimeError, so either
+    kind of handler catches it."""
+
+
 @dataclass(slots=True)
 class StepInfo:
     """Passed to `step_callback` after every step, outside the guard, and kept
@@ -278,7 +284,7 @@ class Engine:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("engine is closed")
+            raise ClosedError("engine is closed; make a new Engine")
 
     def _drive(self, pending: dict[int, Request]) -> Iterator[tuple[int, RolloutOutput]]:
         decode = self.codec.decode if self.codec is not None else None

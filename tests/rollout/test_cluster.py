@@ -205,8 +205,12 @@ def test_module_level_api_and_reinit(ray_session, qwen2, policies):
         rollout.shutdown()
     with pytest.raises(RuntimeError, match="rollout.init"):
         rollout.generate(PROMPTS, PARAMS)
-    with pytest.raises(RuntimeError, match="shut down"):
+    with pytest.raises(ValueError, match="shut down"):
         cluster.generate(PROMPTS, PARAMS)
+    with pytest.raises(ValueError, match="shut down"):
+        cluster.push_weights(policies[1].state_dict())
+    states = {pg["state"] for pg in ray_session.util.placement_group_table().values()}
+    assert states <= {"REMOVED"}  # shutdown released the placement group
     rollout.init(qwen2.path, **KW)  # a second init in the same process works
     try:
         assert rollout.policy_version() == 0 and len(rollout.generate(PROMPTS[:2], PARAMS)) == 2
@@ -222,6 +226,7 @@ def test_module_level_api_and_reinit(ray_session, qwen2, policies):
         (dict(num_gpus_per_actor=1), ValueError, "GPUs"),
         (dict(num_cpus_per_actor=64), ValueError, "CPUs"),
         (dict(timeout_s=0), ValueError, "timeout_s"),
+        (dict(generate_concurrency=0), ValueError, "generate_concurrency"),
     ],
 )
 def test_cluster_arguments_are_validated(ray_session, qwen2, kwargs, error, needle):

@@ -98,7 +98,9 @@ def test_callback_error_aborts_only_that_call(qwen2):
 def test_closed_engine_refuses_calls(qwen2):
     engine = make_engine(qwen2.path)
     engine.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(ValueError, match="closed"):
         engine.generate(PROMPTS, PARAMS)
-    with pytest.raises(RuntimeError, match="closed"):
-        engine.update_weights({})
+    with pytest.raises(ValueError, match="closed"):
+        engine.update_weights(qwen2.hf.state_dict())
+    with pytest.raises(RuntimeError, match="closed"):  # also a RuntimeError
+        engine.prepare_weights(qwen2.hf.state_dict())
