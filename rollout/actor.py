@@ -96,6 +96,7 @@ class RolloutWorker:
         self, indices: list[int], prompts: list[list[int]], params: SamplingParams
     ) -> Iterator[RolloutOutput]:
         """Each prompt's output as it finishes, `index` set to the caller's prompt index."""
+        self._raise_injected("generate_stream")
         for i, out in self.engine.generate_iter(prompts, params):
             out.index = indices[i]
             yield out
@@ -165,9 +166,9 @@ class RolloutWorker:
 
     def inject_fault(self, method: str, message: str) -> None:
         """Fault injection for tests and drills: the next call of `method`
-        (only "prepare_push" for now) raises `ValueError(message)`."""
-        if method != "prepare_push":
-            raise ValueError(f"method must be 'prepare_push', got {method!r}")
+        ("prepare_push" or "generate_stream") raises `ValueError(message)`."""
+        if method not in ("prepare_push", "generate_stream"):
+            raise ValueError(f"method must be 'prepare_push' or 'generate_stream', got {method!r}")
         with self._lock:
             self._faults[method] = message
 

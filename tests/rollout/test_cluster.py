@@ -185,6 +185,15 @@ def test_actor_killed_during_a_push_all_actors_end_on_one_version(cluster, polic
     assert_per_version(outs, policies)
 
 
+def test_an_error_inside_an_actor_reaches_the_caller_with_its_cause(cluster, policies, ray_session):
+    ray_session.get(cluster._slots[0].handle.inject_fault.remote("generate_stream", "engine exploded"))
+    ray_session.get(cluster._slots[1].handle.inject_fault.remote("generate_stream", "engine exploded"))
+    with pytest.raises(ValueError, match="engine exploded"):
+        cluster.generate(PROMPTS, PARAMS, timeout=60)
+    assert_per_version(cluster.generate(PROMPTS, PARAMS), policies)  # and the cluster keeps serving
+    assert {h["state"] for h in cluster.health()} == {"alive"}
+
+
 def test_as_completed_yields_every_prompt_once(cluster):
     handle = cluster.submit(PROMPTS, SamplingParams(n=2, max_tokens=30, seed=1, stop_token_ids=[10, 11, 12]))
     seen = [o.index for o in handle.as_completed(timeout=60)]

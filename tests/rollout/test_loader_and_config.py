@@ -98,6 +98,12 @@ def test_pickle_weights_are_refused(ckpt):
         make_engine(ckpt)
 
 
+def test_no_weight_files(ckpt):
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"no \*\.safetensors weight files"):
+        make_engine(ckpt)
+
+
 def test_corrupt_safetensors_file(ckpt):
     (ckpt / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
