@@ -11,57 +11,23 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from .actor import RolloutWorker
+from .actor_slots import ActorGone, ActorSlot, Published, unwrap
 from .config import ModelConfig
-from .engine import INFLIGHT_MODES, ClosedError
-from .handles import GenerationHandle, PushHandle
-from .outputs import RolloutOutput
-from .prompts import validate_prompts
-from .ray_runtime import GENERATE, connect, control, create_actor, plan_placement, ray_module, reserve
-from .sampling_params import SamplingParams
+from .dispatch import GenerationDispatch
+from .engine import ClosedError
+from .pushes import WeightPushes
+from .ray_runtime import connect, control, create_actor, plan_placement, ray_module, reserve
 from .tokenizer import TextCodec
-from .wire import DEFAULT_BUCKET_BYTES, BucketPacker, Manifest
+from .wire import DEFAULT_BUCKET_BYTES, BucketPacker
 
 
-@dataclass(slots=True)
-class ActorSlot:
-    """One actor position of the cluster; its handle changes when it is respawned."""
-
-    index: int
-    handle: Any
-    generation: int = 0  # bumps on every respawn, so stale failure reports are ignored
-    state: str = "starting"  # starting | alive | restarting | dead
-    load: int = 0  # outstanding work dispatched to it (samples x max_tokens)
-    pid: int | None = None
-    error: str | None = None  # why it is dead
-
-    @property
-    def label(self) -> str:
-        return f"actor {self.index} (pid {self.pid})"
-
-
-@dataclass(frozen=True, slots=True)
-class Published:
-    """The latest committed push: what a replacement actor loads before it serves."""
-
-    manifest: Manifest
-    version: int
-    refs: tuple  # Ray object refs of the buckets, kept alive here
-
-
-class ActorGone(RuntimeError):
-    """An actor died while answering; it is being replaced."""
-
-
-class RolloutCluster:
+class RolloutCluster(GenerationDispatch, WeightPushes):
     """`num_actors` rollout actors, each owning one `Engine` (see DESIGN section 2).
 
     Bad arguments raise `ValueError`/`TypeError` before any actor starts.
@@ -135,202 +101,6 @@ class RolloutCluster:
         return create_actor(RolloutWorker, self._pg, index, self._placement, args, self._generate_threads)
 
     # -- generation ------------------------------------------------------------------------
-    def generate(
-        self, prompts, params: SamplingParams | None = None, timeout: float | None = None
-    ) -> list[RolloutOutput]:
-        """Outputs in prompt order, as `Engine.generate` returns them."""
-        return self.submit(prompts, params).result(timeout)
-
-    def submit(self, prompts, params: SamplingParams | None = None) -> GenerationHandle:
-        """Start generating and return at once; the handle gives `result()` and
-        `as_completed()`. Prompts are validated here, before any is dispatched."""
-        self._check_open()
-        params = SamplingParams() if params is None else params
-        token_lists, texts = validate_prompts(prompts, params, self._limits, self._codec)
-        handle = GenerationHandle(texts)
-        if token_lists:
-            self._dispatch(handle, token_lists, params, list(range(len(token_lists))))
-        return handle
-
-    def _dispatch(self, handle: GenerationHandle, prompts, params: SamplingParams, indices: list[int]) -> None:
-        cost = params.n * params.max_tokens
-        with self._cond:
-            live = self._wait_for_live()
-            shares: dict[int, list[int]] = {s.index: [] for s in live}
-            loads = {s.index: s.load for s in live}
-            for i in sorted(indices, key=lambda i: -len(prompts[i])):
-                target = min(live, key=lambda s: loads[s.index])
-                shares[target.index].append(i)
-                loads[target.index] += cost
-            for slot in live:
-                slot.load += cost * len(shares[slot.index])
-            work = [(slot, slot.generation, slot.handle, sorted(shares[slot.index])) for slot in live]
-        for slot, generation, actor, share in work:
-            if share:
-                handle._assign(share, slot.label)
-                stream = actor.generate_stream.options(concurrency_group=GENERATE).remote(
-                    share, [prompts[i] for i in share], params
-                )
-                threading.Thread(
-                    target=self._consume,
-                    args=(handle, prompts, params, slot, generation, share, stream),
-                    name=f"rollout-stream-{slot.index}",
-                    daemon=True,
-                ).start()
-
-    def _consume(self, handle, prompts, params, slot: ActorSlot, generation: int, share, stream) -> None:
-        ray = ray_module()
-        remaining, cost = set(share), params.n * params.max_tokens
-        try:
-            while remaining:
-                ready, _ = ray.wait([stream], timeout=self.stall_timeout_s)
-                if not ready:
-                    raise TimeoutError(
-                        f"{slot.label} produced no output for {self.stall_timeout_s} s while generating "
-                        f"prompts {sorted(remaining)[:8]}"
-                    )
-                out = ray.get(next(stream))
-                remaining.discard(out.index)
-                handle._deliver(out)
-                self._unload(slot, generation, cost)
-        except ray.exceptions.RayActorError:
-            self._unload(slot, generation, cost * len(remaining))
-            self._actor_died(slot, generation, "died while generating")
-            lost = handle._missing(sorted(remaining))
-            if lost:
-                try:
-                    self._dispatch(handle, prompts, params, lost)
-                except BaseException as e:
-                    handle._fail(e)
-        except BaseException as e:
-            self._unload(slot, generation, cost * len(remaining))
-            handle._fail(_unwrap(e))
-
-    def _unload(self, slot: ActorSlot, generation: int, amount: int) -> None:
-        with self._cond:
-            if slot.generation == generation:
-                slot.load = max(0, slot.load - amount)
-
-    def _wait_for_live(self) -> list[ActorSlot]:
-        """Alive actors (waits for a replacement when none is); call holding `_cond`."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            self._check_open()
-            live = [s for s in self._slots if s.state == "alive"]
-            if live:
-                return live
-            if all(s.state == "dead" for s in self._slots):
-                raise RuntimeError(
-                    "no rollout actor is alive: " + "; ".join(f"{s.label}: {s.error}" for s in self._slots)
-                )
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no rollout actor came back within {self.timeout_s} s")
-            self._cond.wait(left)
-
-    # -- weights ---------------------------------------------------------------------------
-    def push_weights(
-        self,
-        state_dict: Mapping[str, torch.Tensor],
-        version: int | None = None,
-        inflight: str = "recompute",
-        wait: bool = True,
-    ) -> int | PushHandle:
-        """Push new policy weights to every actor; returns the new cluster-wide version.
-
-        Two-phase: every live actor fetches, verifies and stages the push;
-        if any rejects it, none commits it and the actor's error is raised
-        here. `wait=False` returns a `PushHandle` at once.
-        """
-        self._check_open()
-        if inflight not in INFLIGHT_MODES:
-            raise ValueError(f"inflight must be one of {INFLIGHT_MODES}, got {inflight!r}")
-        self._next_version(version)
-        if not wait:
-            return PushHandle(lambda: self._push(state_dict, version, inflight))
-        return self._push(state_dict, version, inflight)
-
-    def _push(self, state_dict, requested: int | None, inflight: str) -> int:
-        with self._push_lock:
-            version = self._next_version(requested)
-            push_id = uuid.uuid4().hex
-            with self._cond:
-                slots = [s for s in self._slots if s.state == "alive"]
-            manifest, refs, received = self._ship(state_dict, push_id, slots, version)
-            prepared = self._call_all(
-                [s for s, r in received if not isinstance(r, BaseException)],
-                lambda h: control(h, "prepare_push").remote(push_id, manifest),
-                f"preparing weight push v{version}",
-            )
-            results = [(s, r) for s, r in received if isinstance(r, BaseException)] + prepared
-            ready = [s for s, r in results if not isinstance(r, BaseException)]
-            rejected = [(s, r) for s, r in results if isinstance(r, BaseException) and not isinstance(r, ActorGone)]
-            if rejected:
-                self._call_all(
-                    slots, lambda h: control(h, "abort_push").remote(push_id), f"aborting weight push v{version}"
-                )
-                raise _rejection(*rejected[0], version)
-            self._published = Published(manifest, version, refs)
-            self._commit(ready, push_id, version, inflight)
-            self._version = version
-            return version
-
-    def _ship(self, state_dict, push_id: str, slots: list[ActorSlot], version: int):
-        """Pack, put and send the buckets one by one: actors verify bucket i
-        while bucket i+1 is packed. Returns the manifest, the bucket refs and
-        per actor the first failure or its received byte count."""
-        ray = ray_module()
-        entries, sizes, refs, calls = [], [], [], []
-        for index, bucket, bucket_entries in self._packer.pack_buckets(state_dict):
-            ref = ray.put(bucket)
-            refs.append(ref)
-            entries.extend(bucket_entries)
-            sizes.append(bucket.nbytes)
-            for slot in slots:
-                calls.append(
-                    (
-                        slot,
-                        slot.generation,
-                        control(slot.handle, "stage_bucket").remote(push_id, index, bucket_entries, ref),
-                    )
-                )
-        per_slot: dict[int, object] = {}
-        for slot, result in self._collect(calls, f"receiving weight push v{version}"):
-            if not isinstance(per_slot.get(slot.index), BaseException):
-                per_slot[slot.index] = (
-                    result if isinstance(result, BaseException) else per_slot.get(slot.index, 0) + result
-                )
-        received = [(slot, per_slot[slot.index]) for slot in slots]
-        return Manifest(tuple(entries), tuple(sizes)), tuple(refs), received
-
-    def _commit(self, ready: list[ActorSlot], push_id: str, version: int, inflight: str) -> None:
-        committed = self._call_all(
-            ready,
-            lambda h: control(h, "commit_push").remote(push_id, version, inflight),
-            f"committing weight push v{version} ({inflight})",
-            timeout=max(self.timeout_s, self.stall_timeout_s) if inflight == "drain" else self.timeout_s,
-        )
-        for slot, result in committed:
-            if isinstance(result, BaseException) and not isinstance(result, ActorGone):
-                # Validated already, so this is a fault: replace the actor; the
-                # replacement loads the published version, keeping all actors equal.
-                self._kill(slot, f"failed to commit weight push v{version}: {result}")
-
-    def _next_version(self, requested: int | None) -> int:
-        if requested is None:
-            return self._version + 1
-        if isinstance(requested, bool) or not isinstance(requested, int):
-            raise TypeError(f"version must be an int > {self._version} or None, got {type(requested).__name__}")
-        if requested <= self._version:
-            raise ValueError(f"version must be > the cluster's policy version {self._version}, got {requested}")
-        return requested
-
-    def policy_version(self) -> int:
-        """The version of the last push every live actor committed. While a
-        push is committing, actors that have committed it already serve its
-        version, so tokens may be one version newer than this."""
-        return self._version
-
     # -- actors ----------------------------------------------------------------------------
     def _call_all(self, slots, make_ref: Callable, what: str, timeout: float | None = None) -> list:
         """(slot, result or exception) per slot, all bounded by one deadline."""
@@ -355,7 +125,7 @@ class RolloutCluster:
                 self._actor_died(slot, generation, f"died while {what}")
                 out.append((slot, ActorGone(f"{slot.label} died while {what}: {e}")))
             except Exception as e:  # the actor's own error, raised in its process
-                out.append((slot, _unwrap(e)))
+                out.append((slot, unwrap(e)))
         return out
 
     def _actor_died(self, slot: ActorSlot, generation: int, why: str) -> None:
@@ -479,16 +249,3 @@ def _check_args(num_actors, gpus, cpus, generate_concurrency, timeout_s, stall_t
     for name, value in (("timeout_s", timeout_s), ("stall_timeout_s", stall_timeout_s)):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise ValueError(f"{name} must be a number > 0, got {value!r}")
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """The original exception of an error raised inside an actor."""
-    cause = getattr(e, "cause", None)
-    return cause if isinstance(cause, BaseException) else e
-
-
-def _rejection(slot: ActorSlot, error: BaseException, version: int) -> BaseException:
-    message = f"{slot.label} rejected weight push v{version}; no actor committed it: {error}"
-    if isinstance(error, (ValueError, TypeError)):
-        return type(error)(message)
-    return RuntimeError(message)

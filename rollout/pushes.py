@@ -1,0 +1,128 @@
+"""Weight pushes on the cluster: pack, put and ship buckets; two-phase
+prepare and commit on every live actor; publish for replacements."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+
+import torch
+
+from .actor_slots import ActorGone, ActorSlot, Published
+from .engine import INFLIGHT_MODES
+from .handles import PushHandle
+from .ray_runtime import control, ray_module
+from .wire import Manifest
+
+
+class WeightPushes:
+    """The weight half of `RolloutCluster` (a mixin over its actor state)."""
+
+    def push_weights(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int | None = None,
+        inflight: str = "recompute",
+        wait: bool = True,
+    ) -> int | PushHandle:
+        """Push new policy weights to every actor; returns the new cluster-wide version.
+
+        Two-phase: every live actor fetches, verifies and stages the push;
+        if any rejects it, none commits it and the actor's error is raised
+        here. `wait=False` returns a `PushHandle` at once.
+        """
+        self._check_open()
+        if inflight not in INFLIGHT_MODES:
+            raise ValueError(f"inflight must be one of {INFLIGHT_MODES}, got {inflight!r}")
+        self._next_version(version)
+        if not wait:
+            return PushHandle(lambda: self._push(state_dict, version, inflight))
+        return self._push(state_dict, version, inflight)
+
+    def _push(self, state_dict, requested: int | None, inflight: str) -> int:
+        with self._push_lock:
+            version = self._next_version(requested)
+            push_id = uuid.uuid4().hex
+            with self._cond:
+                slots = [s for s in self._slots if s.state == "alive"]
+            manifest, refs, received = self._ship(state_dict, push_id, slots, version)
+            prepared = self._call_all(
+                [s for s, r in received if not isinstance(r, BaseException)],
+                lambda h: control(h, "prepare_push").remote(push_id, manifest),
+                f"preparing weight push v{version}",
+            )
+            results = [(s, r) for s, r in received if isinstance(r, BaseException)] + prepared
+            ready = [s for s, r in results if not isinstance(r, BaseException)]
+            rejected = [(s, r) for s, r in results if isinstance(r, BaseException) and not isinstance(r, ActorGone)]
+            if rejected:
+                self._call_all(
+                    slots, lambda h: control(h, "abort_push").remote(push_id), f"aborting weight push v{version}"
+                )
+                raise _rejection(*rejected[0], version)
+            self._published = Published(manifest, version, refs)
+            self._commit(ready, push_id, version, inflight)
+            self._version = version
+            return version
+
+    def _ship(self, state_dict, push_id: str, slots: list[ActorSlot], version: int):
+        """Pack, put and send the buckets one by one: actors verify bucket i
+        while bucket i+1 is packed. Returns the manifest, the bucket refs and
+        per actor the first failure or its received byte count."""
+        ray = ray_module()
+        entries, sizes, refs, calls = [], [], [], []
+        for index, bucket, bucket_entries in self._packer.pack_buckets(state_dict):
+            ref = ray.put(bucket)
+            refs.append(ref)
+            entries.extend(bucket_entries)
+            sizes.append(bucket.nbytes)
+            for slot in slots:
+                calls.append(
+                    (
+                        slot,
+                        slot.generation,
+                        control(slot.handle, "stage_bucket").remote(push_id, index, bucket_entries, ref),
+                    )
+                )
+        per_slot: dict[int, object] = {}
+        for slot, result in self._collect(calls, f"receiving weight push v{version}"):
+            if not isinstance(per_slot.get(slot.index), BaseException):
+                per_slot[slot.index] = (
+                    result if isinstance(result, BaseException) else per_slot.get(slot.index, 0) + result
+                )
+        received = [(slot, per_slot[slot.index]) for slot in slots]
+        return Manifest(tuple(entries), tuple(sizes)), tuple(refs), received
+
+    def _commit(self, ready: list[ActorSlot], push_id: str, version: int, inflight: str) -> None:
+        committed = self._call_all(
+            ready,
+            lambda h: control(h, "commit_push").remote(push_id, version, inflight),
+            f"committing weight push v{version} ({inflight})",
+            timeout=max(self.timeout_s, self.stall_timeout_s) if inflight == "drain" else self.timeout_s,
+        )
+        for slot, result in committed:
+            if isinstance(result, BaseException) and not isinstance(result, ActorGone):
+                # Validated already, so this is a fault: replace the actor; the
+                # replacement loads the published version, keeping all actors equal.
+                self._kill(slot, f"failed to commit weight push v{version}: {result}")
+
+    def _next_version(self, requested: int | None) -> int:
+        if requested is None:
+            return self._version + 1
+        if isinstance(requested, bool) or not isinstance(requested, int):
+            raise TypeError(f"version must be an int > {self._version} or None, got {type(requested).__name__}")
+        if requested <= self._version:
+            raise ValueError(f"version must be > the cluster's policy version {self._version}, got {requested}")
+        return requested
+
+    def policy_version(self) -> int:
+        """The version of the last push every live actor committed. While a
+        push is committing, actors that have committed it already serve its
+        version, so tokens may be one version newer than this."""
+        return self._version
+
+
+def _rejection(slot: ActorSlot, error: BaseException, version: int) -> BaseException:
+    message = f"{slot.label} rejected weight push v{version}; no actor committed it: {error}"
+    if isinstance(error, (ValueError, TypeError)):
+        return type(error)(message)
+    return RuntimeError(message)
