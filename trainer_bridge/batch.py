@@ -14,6 +14,13 @@ from rollout.sampler import MODE_CODES
 
 @dataclass
 class RolloutBatch:
+    """One row per sample of a rollout call, as padded tensors.
+
+    Prompts are left-padded so every prompt ends at column `P - 1` and the
+    logits at `[P - 1, P + R - 1)` predict the response tokens; responses are
+    right-padded. `from_outputs` builds it; `token_logprobs` reads it.
+    """
+
     prompt_ids: torch.Tensor  # [B, P] int64, left-padded with pad_token_id
     prompt_mask: torch.Tensor  # [B, P] int64, 1 on real prompt tokens
     response_ids: torch.Tensor  # [B, R] int64, right-padded
