@@ -337,4 +337,16 @@ class Engine:
         return info
 
     def _stop_text(self, seq: Sequence) -> int | None:
-        return find_stop(self.codec.decode(seq.output_token_ids), seq.request.params.stop)
+        """Where a stop string starts in the output text, or None.
+
+        A stop string must end in the newest token's text, so only a tail
+        window is decoded each step (4 tokens per character covers byte-level
+        tokenizers, plus slack for the window's first token); a hit is
+        confirmed, and its position found, on the whole text once.
+        """
+        stops = seq.request.params.stop
+        out = seq.output_token_ids
+        window = 4 * max(len(s) for s in stops) + 8
+        if len(out) > window and find_stop(self.codec.decode(out[-window:]), stops) is None:
+            return None
+        return find_stop(self.codec.decode(out), stops)

@@ -231,3 +231,15 @@ def test_generate_iter_yields_in_completion_order_and_early_close_aborts(qwen2):
     assert not engine.scheduler.requests and engine.stats()["kv_pages_used"] == 0
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate_iter([[1000]], params)  # validated eagerly, before iteration
+
+
+def test_stop_string_found_late_in_a_long_output(text_checkpoint):
+    engine = make_engine(text_checkpoint.path)
+    params = dict(n=1, max_tokens=120, ignore_eos=True, seed=11)
+    text = engine.generate(["go"], SamplingParams(**params))[0].samples[0].text
+    # A 3-character string whose first occurrence is far past the decode window (4 * 3 + 8 tokens).
+    stop = next(text[i : i + 3] for i in range(60, len(text) - 3) if text.index(text[i : i + 3]) >= 60)
+    cut = text.index(stop)
+    s = engine.generate(["go"], SamplingParams(**params, stop=[stop])).pop().samples[0]
+    assert s.finish_reason == "stop" and s.text == text[:cut]
+    assert stop in engine.tokenizer.decode(s.token_ids) and stop not in engine.tokenizer.decode(s.token_ids[:-1])
