@@ -6,7 +6,7 @@ layer (`init`, `generate`, `push_weights`, ...) imports Ray when first used.
 
 from .api import generate, health, init, policy_version, push_weights, shutdown, submit
 from .cluster import RolloutCluster
-from .engine import INFLIGHT_MODES, ClosedError, Engine, StepInfo
+from .engine import INFLIGHT_MODES, ClosedError, Engine, StepInfo, generation_pause
 from .handles import GenerationHandle, PushHandle
 from .outputs import RolloutOutput, Sample
 from .sampling_params import LOGPROBS_MODES, SamplingParams
@@ -18,6 +18,7 @@ __all__ = [
     "PushHandle",
     "RolloutCluster",
     "generate",
+    "generation_pause",
     "health",
     "init",
     "policy_version",

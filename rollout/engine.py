@@ -56,6 +56,18 @@ class StepInfo:
     kv_pages_used: int
 
 
+def generation_pause(logs: list[list[StepInfo]], start: float, end: float) -> float:
+    """The longest gap between consecutive steps of any engine that overlaps
+    `[start, end]` (seconds); 0 when no engine was generating then."""
+    longest = 0.0
+    for log in logs:
+        ends = [info.end_time for info in log]
+        for a, b in zip(ends, ends[1:], strict=False):
+            if a < end and b > start:
+                longest = max(longest, b - a)
+    return longest
+
+
 class Engine:
     """Samples `n` responses per prompt with per-token logprobs and policy versions.
 

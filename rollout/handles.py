@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 from .outputs import RolloutOutput
@@ -105,7 +104,6 @@ class PushHandle:
         self._version: int | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
-        self.started = time.monotonic()
         self._thread = threading.Thread(target=self._run, args=(run,), name="rollout-push", daemon=True)
         self._thread.start()
 

@@ -48,6 +48,36 @@ class SamplingBatch:
     any_greedy: bool  # some row has temperature 0
     all_greedy: bool  # every row has temperature 0
 
+    @classmethod
+    def of(
+        cls,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        mode: torch.Tensor,
+        seed: torch.Tensor | None = None,
+        sample_index: torch.Tensor | None = None,
+        rng_pos: torch.Tensor | None = None,
+    ) -> SamplingBatch:
+        """A batch with the flags derived from the tensors (one host sync each).
+        RNG fields default to zeros: enough for scoring with `logprobs_of`."""
+        zeros = torch.zeros_like(top_k)
+        greedy = temperature == 0
+        return cls(
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            zeros if seed is None else seed,
+            zeros if sample_index is None else sample_index,
+            zeros if rng_pos is None else rng_pos,
+            mode,
+            any_filter=bool(((top_k > 0) | (top_p < 1) | (min_p > 0)).any()),
+            any_greedy=bool(greedy.any()),
+            all_greedy=bool(greedy.all()),
+        )
+
 
 def sample(logits: torch.Tensor, p: SamplingBatch, out_tokens: torch.Tensor, out_logprobs: torch.Tensor) -> None:
     """Sample one token per row of float32 `logits` `[R, V]` into `out_tokens`,

@@ -78,10 +78,6 @@ class PolicyVersionGuard:
         with self._cond:
             return self._cond.wait_for(predicate, timeout)
 
-    def wait(self, timeout: float) -> None:
-        with self._cond:
-            self._cond.wait(timeout)
-
     def notify(self) -> None:
         with self._cond:
             self._cond.notify_all()

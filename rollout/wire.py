@@ -58,10 +58,6 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
-    @property
-    def names(self) -> list[str]:
-        return [e.name for e in self.entries]
-
 
 class BucketPacker:
     """Trainer side: flattens state dicts into contiguous buckets.

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rollout  # noqa: E402
-from rollout import SamplingParams  # noqa: E402
+from rollout import SamplingParams, generation_pause  # noqa: E402
 from rollout.synthetic import qwen2_config, random_state, write_checkpoint  # noqa: E402
 
 CONFIG = qwen2_config()
@@ -55,18 +55,11 @@ def naive_push_seconds(state: dict[str, torch.Tensor], actors) -> float:
 
 def longest_pause(cluster, windows: list[tuple[float, float]]) -> dict:
     """Largest gap between consecutive steps of any actor overlapping a push, and the median gap."""
-    import ray
-
-    logs = ray.get([s.handle.step_log.remote() for s in cluster._slots])
-    gaps, push_gaps = [], []
-    for log in logs:
-        ends = [info.end_time for info in log]
-        for a, b in zip(ends, ends[1:], strict=False):
-            gaps.append(b - a)
-            if any(a < w_end and b > w_start for w_start, w_end in windows):
-                push_gaps.append(b - a)
+    logs = cluster.step_logs()
+    gaps = [b.end_time - a.end_time for log in logs for a, b in zip(log, log[1:], strict=False)]
+    longest = max(generation_pause(logs, start, end) for start, end in windows)
     median = statistics.median(gaps)
-    return {"median_step_s": median, "longest_pause_s": max(push_gaps), "pause_in_steps": max(push_gaps) / median}
+    return {"median_step_s": median, "longest_pause_s": longest, "pause_in_steps": longest / median}
 
 
 def run(args) -> dict:

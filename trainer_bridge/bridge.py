@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from rollout import Engine, RolloutCluster, RolloutOutput, SamplingParams
+from rollout import Engine, RolloutCluster, RolloutOutput, SamplingParams, generation_pause
 
 from .batch import RolloutBatch
 from .names import export_state_dict
@@ -55,7 +55,7 @@ class TrainerBridge:
         self.pad_token_id = pad_token_id
         self.metrics = metrics
         self.last_push_seconds: float | None = None
-        self.last_push_pause: float = 0.0  # longest gap between generation steps across the last push
+        self.last_push_pause: float | None = None  # longest step gap across the last push (with metrics)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -81,10 +81,15 @@ class TrainerBridge:
         else:
             v = self.target.push_weights(state, version, inflight)
         self.last_push_seconds = time.perf_counter() - start
-        self.last_push_pause = generation_pause(self._step_logs(wall - 60.0), wall, time.time())
-        self._log(
-            {"push/seconds": self.last_push_seconds, "push/version": v, "push/generation_pause_s": self.last_push_pause}
-        )
+        if self.metrics is not None:  # the pause needs every engine's step log: an RPC per actor
+            self.last_push_pause = generation_pause(self._step_logs(wall - 60.0), wall, time.time())
+            self._log(
+                {
+                    "push/seconds": self.last_push_seconds,
+                    "push/version": v,
+                    "push/generation_pause_s": self.last_push_pause,
+                }
+            )
         return v
 
     def _step_logs(self, since: float) -> list[list]:
@@ -137,6 +142,11 @@ class TrainerBridge:
                 f"every prompt group was staler than max_staleness={self.policy.max_staleness} and was dropped"
             )
         batch = RolloutBatch.from_outputs(outputs, pending.params, current, self.pad_token_id)
+        if self.metrics is not None:  # kv_usage asks every actor: only when someone listens
+            self._log_batch(batch, pending, submitted - len(outputs))
+        return batch
+
+    def _log_batch(self, batch: RolloutBatch, pending: PendingRollout, dropped: int) -> None:
         tokens = int(batch.response_mask.sum())
         elapsed = time.perf_counter() - pending.started
         self._log(
@@ -145,11 +155,10 @@ class TrainerBridge:
                 "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
                 "rollout/staleness_max": batch.staleness["max"],
                 "rollout/staleness_mean": batch.staleness["mean"],
-                "rollout/dropped_groups": submitted - len(outputs),
+                "rollout/dropped_groups": dropped,
                 "rollout/kv_usage": self.kv_usage(),
             }
         )
-        return batch
 
     def _regenerate(self, outputs, stale: list[int], params: SamplingParams) -> list[RolloutOutput]:
         fresh = self.target.generate([outputs[i].prompt_token_ids for i in stale], params)
@@ -162,18 +171,6 @@ class TrainerBridge:
     def _log(self, values: dict) -> None:
         if self.metrics is not None:
             self.metrics.log(values)
-
-
-def generation_pause(logs: list[list], start: float, end: float) -> float:
-    """The longest gap between consecutive steps of any engine that overlaps
-    `[start, end]` (seconds); 0 when no engine was generating then."""
-    longest = 0.0
-    for log in logs:
-        ends = [info.end_time for info in log]
-        for a, b in zip(ends, ends[1:], strict=False):
-            if a < end and b > start:
-                longest = max(longest, b - a)
-    return longest
 
 
 def _in_thread(fn, *args):

@@ -37,22 +37,8 @@ def token_logprobs(model: torch.nn.Module, batch: RolloutBatch, chunk_rows: int 
 
 
 def _sampling(batch: RolloutBatch, rows: torch.Tensor) -> SamplingBatch:
-    temperature, top_k = batch.temperature[rows], batch.top_k[rows]
-    top_p, min_p = batch.top_p[rows], batch.min_p[rows]
-    greedy = temperature == 0
-    zeros = torch.zeros_like(top_k)
-    return SamplingBatch(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        seed=zeros,
-        sample_index=zeros,
-        rng_pos=zeros,
-        mode=batch.logprobs_mode[rows],
-        any_filter=bool(((top_k > 0) | (top_p < 1) | (min_p > 0)).any()),
-        any_greedy=bool(greedy.any()),
-        all_greedy=bool(greedy.all()),
+    return SamplingBatch.of(
+        batch.temperature[rows], batch.top_k[rows], batch.top_p[rows], batch.min_p[rows], batch.logprobs_mode[rows]
     )
 
 

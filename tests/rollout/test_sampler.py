@@ -15,21 +15,15 @@ def _batch(rows: int, *, temperature, top_k, top_p, min_p, mode="processed", see
         t = torch.as_tensor(values, dtype=dtype)
         return t.expand(rows).clone() if t.dim() == 0 else t
 
-    temps = col(temperature, torch.float32)
-    top_ks, top_ps, min_ps = col(top_k, torch.int64), col(top_p, torch.float32), col(min_p, torch.float32)
-    greedy = temps == 0
-    return SamplingBatch(
-        temperature=temps,
-        top_k=top_ks,
-        top_p=top_ps,
-        min_p=min_ps,
+    return SamplingBatch.of(
+        col(temperature, torch.float32),
+        col(top_k, torch.int64),
+        col(top_p, torch.float32),
+        col(min_p, torch.float32),
+        col(MODE_CODES[mode], torch.int64) if isinstance(mode, str) else col(mode, torch.int64),
         seed=col(seed, torch.int64),
         sample_index=torch.arange(rows) if index is None else col(index, torch.int64),
         rng_pos=torch.zeros(rows, dtype=torch.int64) if pos is None else col(pos, torch.int64),
-        mode=col(MODE_CODES[mode], torch.int64) if isinstance(mode, str) else col(mode, torch.int64),
-        any_filter=bool(((top_ks > 0) | (top_ps < 1) | (min_ps > 0)).any()),
-        any_greedy=bool(greedy.any()),
-        all_greedy=bool(greedy.all()),
     )
 
 

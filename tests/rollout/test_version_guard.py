@@ -32,24 +32,25 @@ def test_failed_apply_publishes_nothing():
 
 def test_a_waiting_commit_goes_before_the_next_step():
     guard = PolicyVersionGuard()
-    steps_after_request, stop = [], threading.Event()
-    requested = threading.Event()
+    in_step, release, seen = threading.Event(), threading.Event(), []
 
-    def stepping_loop():
-        while not stop.is_set():
-            with guard.step() as version:
-                if requested.is_set() and version == 0:
-                    steps_after_request.append(1)
-                time.sleep(0.002)  # a step's work, GIL released as torch kernels release it
+    def stepping():
+        with guard.step():
+            in_step.set()
+            assert release.wait(10)
+        with guard.step() as version:  # asked at once by the thread that just released the guard
+            seen.append(version)
 
-    loop = threading.Thread(target=stepping_loop)
-    loop.start()
-    with guard.step():
-        pass
-    requested.set()
-    guard.commit(None, lambda v: None)
-    stop.set()
-    loop.join(10)
-    # The step in progress when the commit asked (and at most one that had
-    # already passed the check) may finish first; no more.
-    assert len(steps_after_request) <= 2
+    stepper = threading.Thread(target=stepping)
+    stepper.start()
+    assert in_step.wait(10)
+    committer = threading.Thread(target=lambda: guard.commit(None, lambda v: None))
+    committer.start()
+    deadline = time.monotonic() + 10
+    while guard._pending == 0:  # the commit is waiting for the guard
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    release.set()
+    stepper.join(10)
+    committer.join(10)
+    assert seen == [1]  # the commit went between the two steps

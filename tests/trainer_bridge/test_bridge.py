@@ -116,8 +116,11 @@ def test_bridge_rejects_other_targets():
 def test_push_reports_the_generation_pause_and_kv_usage(qwen2, hf_b):
     import threading
 
+    from trainer_bridge.metrics import Metrics
+
     engine = make_engine(qwen2.path)
-    bridge = TrainerBridge(engine)
+    metrics = Metrics(enabled=False)
+    bridge = TrainerBridge(engine, metrics=metrics)
     started = threading.Event()
     engine._step_callback = lambda info: started.set()
     pending = bridge.submit(PROMPTS * 4, SamplingParams(n=4, max_tokens=120, ignore_eos=True, seed=1))
@@ -129,12 +132,15 @@ def test_push_reports_the_generation_pause_and_kv_usage(qwen2, hf_b):
     assert 0 < bridge.last_push_pause <= max(gaps)  # a real gap between two steps around the push
     assert {0, 1} <= set(batch.versions[batch.response_mask.bool()].tolist())
     assert bridge.kv_usage() == 0.0  # everything finished and released
+    logged = {k for row in metrics.history for k in row}
+    assert {"push/generation_pause_s", "rollout/kv_usage", "rollout/tokens_per_s"} <= logged
+    assert TrainerBridge(engine).push(hf_b, inflight="keep") == 2  # without metrics: no pause is computed
 
 
 def test_generation_pause_counts_only_gaps_overlapping_the_push():
     from types import SimpleNamespace
 
-    from trainer_bridge.bridge import generation_pause
+    from rollout import generation_pause
 
     log = [SimpleNamespace(end_time=t) for t in (1.0, 1.1, 1.2, 1.9, 2.0)]
     assert generation_pause([log], 1.5, 1.6) == pytest.approx(0.7)
