@@ -24,6 +24,7 @@ from .engine import ClosedError
 from .pushes import WeightPushes
 from .ray_runtime import connect, control, create_actor, plan_placement, ray_module, reserve
 from .tokenizer import TextCodec
+from .version_guard import PolicyVersionGuard
 from .wire import DEFAULT_BUCKET_BYTES, BucketPacker
 
 
@@ -64,7 +65,7 @@ class RolloutCluster(GenerationDispatch, WeightPushes):
         self.timeout_s, self.stall_timeout_s = timeout_s, stall_timeout_s
         self._generate_threads = generate_concurrency
         self._engine_kwargs = dict(engine_kwargs)
-        self._version = 0
+        self._versions = PolicyVersionGuard(0)  # cluster-wide version counter; pushes are serialised
         self._published: Published | None = None
         self._push_lock = threading.RLock()
         self._cond = threading.Condition()

@@ -35,6 +35,12 @@ INFLIGHT_MODES = ("recompute", "keep", "drain", "restart")
 _STEP_LOG_SIZE = 8192
 
 
+def check_inflight(inflight: str) -> None:
+    """Raise `ValueError` unless `inflight` is one of INFLIGHT_MODES."""
+    if inflight not in INFLIGHT_MODES:
+        raise ValueError(f"inflight must be one of {INFLIGHT_MODES}, got {inflight!r}")
+
+
 class ClosedError(ValueError, RuntimeError):
     """A call on an engine or cluster that was closed or shut down. A
     ValueError (as for I/O on a closed file) and a RuntimeError, so either
@@ -203,7 +209,7 @@ class Engine:
         DESIGN section 3). May be called from another thread while
         `generate` runs.
         """
-        self._check_inflight(inflight)
+        check_inflight(inflight)
         self._guard.check_next(version)
         with self._update_lock:
             return self.commit_weights(self.prepare_weights(state_dict), version, inflight)
@@ -231,7 +237,7 @@ class Engine:
     def commit_weights(self, staged: StagedUpdate, version: int | None = None, inflight: str = "recompute") -> int:
         """Phase two: install `staged` between two steps under the guard; returns the version."""
         self._check_open()
-        self._check_inflight(inflight)
+        check_inflight(inflight)
         self._guard.check_next(version)
         if inflight == "drain" and getattr(self._stepping, "active", False):
             raise RuntimeError("update_weights(inflight='drain') from inside generate would wait on itself")
@@ -290,10 +296,6 @@ class Engine:
             del self.kv_pool, self.workspace, self.stepper
 
     # -- internals -----------------------------------------------------------------------
-    def _check_inflight(self, inflight: str) -> None:
-        if inflight not in INFLIGHT_MODES:
-            raise ValueError(f"inflight must be one of {INFLIGHT_MODES}, got {inflight!r}")
-
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("engine is closed; make a new Engine")

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 
 from .actor_slots import ActorGone, ActorSlot, Published
-from .engine import INFLIGHT_MODES
+from .engine import check_inflight
 from .handles import PushHandle
 from .ray_runtime import control, ray_module
 from .wire import Manifest
@@ -32,16 +32,15 @@ class WeightPushes:
         here. `wait=False` returns a `PushHandle` at once.
         """
         self._check_open()
-        if inflight not in INFLIGHT_MODES:
-            raise ValueError(f"inflight must be one of {INFLIGHT_MODES}, got {inflight!r}")
-        self._next_version(version)
+        check_inflight(inflight)
+        self._versions.check_next(version)
         if not wait:
             return PushHandle(lambda: self._push(state_dict, version, inflight))
         return self._push(state_dict, version, inflight)
 
     def _push(self, state_dict, requested: int | None, inflight: str) -> int:
         with self._push_lock:
-            version = self._next_version(requested)
+            version = self._versions.check_next(requested)
             push_id = uuid.uuid4().hex
             with self._cond:
                 slots = [s for s in self._slots if s.state == "alive"]
@@ -61,7 +60,7 @@ class WeightPushes:
                 raise _rejection(*rejected[0], version)
             self._published = Published(manifest, version, refs)
             self._commit(ready, push_id, version, inflight)
-            self._version = version
+            self._versions.commit(version, lambda _: None)
             return version
 
     def _ship(self, state_dict, push_id: str, slots: list[ActorSlot], version: int):
@@ -105,20 +104,11 @@ class WeightPushes:
                 # replacement loads the published version, keeping all actors equal.
                 self._kill(slot, f"failed to commit weight push v{version}: {result}")
 
-    def _next_version(self, requested: int | None) -> int:
-        if requested is None:
-            return self._version + 1
-        if isinstance(requested, bool) or not isinstance(requested, int):
-            raise TypeError(f"version must be an int > {self._version} or None, got {type(requested).__name__}")
-        if requested <= self._version:
-            raise ValueError(f"version must be > the cluster's policy version {self._version}, got {requested}")
-        return requested
-
     def policy_version(self) -> int:
         """The version of the last push every live actor committed. While a
         push is committing, actors that have committed it already serve its
         version, so tokens may be one version newer than this."""
-        return self._version
+        return self._versions.version
 
 
 def _rejection(slot: ActorSlot, error: BaseException, version: int) -> BaseException:
