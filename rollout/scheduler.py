@@ -84,13 +84,14 @@ class Scheduler:
         return True
 
     def _admit(self, plan: StepPlan, budget: int, version: int) -> None:
+        used = self.num_slots_used  # counted once; each admission below adds its own slots
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             request = seq.request
             if self.draining and not request.started:
                 break
             forks = len(request.pending_forks) if request.leader is seq else 0
-            if self.num_slots_used + 1 + forks > self.max_batch_size:
+            if used + 1 + forks > self.max_batch_size:
                 break
             hit = self.kv.match_prefix(seq, version) if seq.cacheable else 0
             n = min(seq.num_uncomputed_tokens, budget)
@@ -104,6 +105,7 @@ class Scheduler:
             seq.admitted_at = self._admissions
             self._admissions += 1
             request.started = True
+            used += 1 + forks
             self.running.append(seq)
             plan.chunks.append(self._chunk(seq, n))
             budget -= n
