@@ -18,7 +18,7 @@ from .outputs import RolloutOutput
 from .prompts import PromptLimits
 from .sampling_params import SamplingParams
 from .weight_update import StagedUpdate, all_finite
-from .wire import Manifest, TensorEntry, unpack, unpack_entries, verify_entries
+from .wire import Manifest, TensorEntry, assemble, unpack, unpack_entries, verify_entries
 
 
 def resident_bytes(kind: str = "VmRSS") -> int:
@@ -53,9 +53,18 @@ def cap_malloc_arenas(arenas: int = 2) -> bool:
         return False
 
 
+def check_bucket(bucket: np.ndarray, entries: tuple[TensorEntry, ...]) -> None:
+    """Checksums, then NaN/inf; raises `ValueError` naming the first bad tensor."""
+    verify_entries(bucket, entries)
+    for name, tensor in unpack_entries(bucket, entries).items():
+        if tensor.is_floating_point() and not all_finite(tensor):
+            raise ValueError(f"state_dict[{name!r}] holds NaN or inf values")
+
+
 class RolloutWorker:
-    """Owns one `Engine`. With `manifest`, `version` and `buckets`, it loads
-    those published weights before serving (a replacement actor)."""
+    """Owns one `Engine`. With `manifest`, `version` and `buckets` (each
+    bucket as its segments), it loads those published weights before
+    serving (a replacement actor)."""
 
     def __init__(
         self,
@@ -64,7 +73,7 @@ class RolloutWorker:
         num_threads: int | None = None,
         manifest: Manifest | None = None,
         version: int | None = None,
-        *buckets: np.ndarray,
+        *buckets: list[np.ndarray],
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -74,9 +83,10 @@ class RolloutWorker:
         self._prepared: dict[str, tuple[StagedUpdate, tuple[np.ndarray, ...]]] = {}
         self._lock = threading.Lock()
         self._faults: dict[str, str] = {}
+        self._buckets_copied = 0  # buckets whose segments arrived apart and were copied together
         if manifest is not None:
-            for index, bucket in enumerate(buckets):
-                self.stage_bucket("published", index, [e for e in manifest.entries if e.bucket == index], bucket)
+            for index, segments in enumerate(buckets):
+                self.stage_bucket("published", index, [e for e in manifest.entries if e.bucket == index], segments)
             self.prepare_push("published", manifest)
             self.commit_push("published", version, "keep")
 
@@ -101,20 +111,31 @@ class RolloutWorker:
             out.index = indices[i]
             yield out
 
-    def stage_bucket(self, push_id: str, index: int, entries: tuple[TensorEntry, ...], bucket: np.ndarray) -> int:
-        """Receive one bucket of a push, verify its checksums and scan it for
-        NaN/inf (while later buckets are still on their way); returns its size."""
-        verify_entries(bucket, entries)
-        for name, tensor in unpack_entries(bucket, entries).items():
-            if tensor.is_floating_point() and not all_finite(tensor):
-                raise ValueError(f"state_dict[{name!r}] holds NaN or inf values")
+    def stage_bucket(
+        self,
+        push_id: str,
+        index: int,
+        entries: tuple[TensorEntry, ...],
+        segments: list[np.ndarray],
+        verify: bool = True,
+    ) -> int:
+        """Receive one bucket of a push as the segments the object store laid
+        side by side; with `verify`, check its checksums and scan it for
+        NaN/inf (while later buckets are still on their way). Actors that
+        share an object store read the same bytes, so the cluster asks one
+        of them to verify each bucket. Returns the bucket's size."""
+        bucket, copied = assemble(segments)
+        if verify:
+            check_bucket(bucket, entries)
         with self._lock:
             self._incoming.setdefault(push_id, {})[index] = (tuple(entries), bucket)
+            self._buckets_copied += copied
         return bucket.nbytes
 
-    def prepare_push(self, push_id: str, manifest: Manifest) -> int:
-        """Phase one: check the received buckets against the manifest, validate
-        and stage; returns the bytes the commit will copy."""
+    def prepare_push(self, push_id: str, manifest: Manifest, verify: tuple[int, ...] = ()) -> int:
+        """Phase one: check the received buckets against the manifest, verify
+        the buckets listed in `verify` (whose verifier died), validate and
+        stage; returns the bytes the commit will install."""
         with self._lock:
             incoming = self._incoming.pop(push_id, {})
         self._raise_injected("prepare_push")
@@ -125,6 +146,8 @@ class RolloutWorker:
                 raise ValueError(f"weight push bucket {index} did not arrive intact")
             if entries != tuple(e for e in manifest.entries if e.bucket == index):
                 raise ValueError(f"weight push bucket {index} does not match the manifest")
+            if index in verify:
+                check_bucket(bucket, entries)
             buckets.append(bucket)
         staged = self.engine.prepare_weights(unpack(buckets, manifest), immutable=True, verified_finite=True)
         with self._lock:
@@ -153,6 +176,7 @@ class RolloutWorker:
             "waiting": len(self.engine.scheduler.waiting),
             "kv_pages_used": stats["kv_pages_used"],
             "kv_pages_total": stats["kv_pages_total"],
+            "buckets_copied": self._buckets_copied,
             "rss_bytes": resident_bytes(),
             "rss_private_bytes": resident_bytes("RssAnon"),
             "rss_shared_bytes": resident_bytes("RssFile") + resident_bytes("RssShmem"),

@@ -15,6 +15,7 @@ class ActorSlot:
 
     index: int
     handle: Any
+    node: str = ""  # Ray node id: actors on one node share its object store
     generation: int = 0  # bumps on every respawn, so stale failure reports are ignored
     state: str = "starting"  # starting | alive | restarting | dead
     load: int = 0  # outstanding work dispatched to it (samples x max_tokens)

@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .dispatch import GenerationDispatch
 from .engine import ClosedError
 from .pushes import WeightPushes
-from .ray_runtime import connect, control, create_actor, plan_placement, ray_module, reserve
+from .ray_runtime import bundle_nodes, connect, control, create_actor, plan_placement, ray_module, reserve
 from .tokenizer import TextCodec
 from .version_guard import PolicyVersionGuard
 from .wire import DEFAULT_BUCKET_BYTES, BucketPacker
@@ -83,7 +83,8 @@ class RolloutCluster(GenerationDispatch, WeightPushes):
         self._placement = plan_placement(num_actors, cpus, gpus)
         self._pg = reserve(self._placement, self.timeout_s)
         self._engine_kwargs.setdefault("device", "cuda" if self._placement.gpus else "cpu")
-        self._slots = [ActorSlot(i, self._spawn(i, None)) for i in range(num_actors)]
+        nodes = bundle_nodes(self._pg)
+        self._slots = [ActorSlot(i, self._spawn(i, None), node=nodes[i]) for i in range(num_actors)]
         described = self._call_all(self._slots, lambda h: control(h, "describe").remote(), "starting")
         for slot, desc in described:
             if isinstance(desc, BaseException):

@@ -220,9 +220,11 @@ class Engine:
         """Phase one of an update: validate and stage, changing nothing live.
 
         Raises `TypeError`/`ValueError` naming the first bad entry. With
-        `immutable=True` the tensors must stay unchanged until
-        `commit_weights` (they may be committed straight from the source).
-        `verified_finite=True`: the caller has checked for NaN/inf already.
+        `immutable=True` the caller promises the tensors never change while
+        the engine uses them: they are committed straight from the source,
+        and a host engine adopts them as its weights (no copy) until a later
+        update replaces them. `verified_finite=True`: the caller has checked
+        for NaN/inf already.
         """
         self._check_open()
         with self._update_lock:
@@ -244,7 +246,8 @@ class Engine:
         try:
             return self._commit(staged, version, inflight)
         finally:
-            self._updater.release(staged)
+            with self._update_lock:
+                self._updater.release(staged)
 
     def _commit(self, staged: StagedUpdate, version: int | None, inflight: str) -> int:
 

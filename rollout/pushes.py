@@ -45,9 +45,12 @@ class WeightPushes:
             with self._cond:
                 slots = [s for s in self._slots if s.state == "alive"]
             manifest, refs, received = self._ship(state_dict, push_id, slots, version)
-            prepared = self._call_all(
-                [s for s, r in received if not isinstance(r, BaseException)],
-                lambda h: control(h, "prepare_push").remote(push_id, manifest),
+            prepared = self._collect(
+                [
+                    (s, s.generation, control(s.handle, "prepare_push").remote(push_id, manifest, todo))
+                    for s, todo in received
+                    if not isinstance(todo, BaseException)
+                ],
                 f"preparing weight push v{version}",
             )
             results = [(s, r) for s, r in received if isinstance(r, BaseException)] + prepared
@@ -64,31 +67,32 @@ class WeightPushes:
             return version
 
     def _ship(self, state_dict, push_id: str, slots: list[ActorSlot], version: int):
-        """Pack, put and send the buckets one by one: actors verify bucket i
-        while bucket i+1 is packed. Returns the manifest, the bucket refs and
-        per actor the first failure or its received byte count."""
+        """Pack, put and send the buckets one by one: actors receive bucket i
+        while bucket i+1 is packed. Actors on one node share its object store,
+        so one of them (round robin) verifies each bucket. Returns the
+        manifest, the bucket refs and per actor its first failure, or the
+        buckets it must verify itself because their verifier died."""
         ray = ray_module()
-        entries, sizes, refs, calls = [], [], [], []
-        for index, bucket, bucket_entries in self._packer.pack_buckets(state_dict):
-            ref = ray.put(bucket)
+        by_node: dict[str, list[ActorSlot]] = {}
+        for slot in slots:
+            by_node.setdefault(slot.node, []).append(slot)
+        entries, sizes, refs, calls, roles = [], [], [], [], []
+        for packed in self._packer.pack_buckets(state_dict):
+            ref = ray.put(list(packed.segments))  # the store's one copy lays the segments side by side
             refs.append(ref)
-            entries.extend(bucket_entries)
-            sizes.append(bucket.nbytes)
-            for slot in slots:
-                calls.append(
-                    (
-                        slot,
-                        slot.generation,
-                        control(slot.handle, "stage_bucket").remote(push_id, index, bucket_entries, ref),
+            entries.extend(packed.entries)
+            sizes.append(packed.nbytes)
+            for members in by_node.values():
+                verifier = members[packed.index % len(members)]
+                for slot in members:
+                    verify = slot is verifier
+                    call = control(slot.handle, "stage_bucket").remote(
+                        push_id, packed.index, packed.entries, ref, verify
                     )
-                )
-        per_slot: dict[int, object] = {}
-        for slot, result in self._collect(calls, f"receiving weight push v{version}"):
-            if not isinstance(per_slot.get(slot.index), BaseException):
-                per_slot[slot.index] = (
-                    result if isinstance(result, BaseException) else per_slot.get(slot.index, 0) + result
-                )
-        received = [(slot, per_slot[slot.index]) for slot in slots]
+                    calls.append((slot, slot.generation, call))
+                    roles.append((packed.index, verify))
+        results = self._collect(calls, f"receiving weight push v{version}")
+        received = received_per_actor(slots, results, roles)
         return Manifest(tuple(entries), tuple(sizes)), tuple(refs), received
 
     def _commit(self, ready: list[ActorSlot], push_id: str, version: int, inflight: str) -> None:
@@ -109,6 +113,20 @@ class WeightPushes:
         push is committing, actors that have committed it already serve its
         version, so tokens may be one version newer than this."""
         return self._versions.version
+
+
+def received_per_actor(slots: list[ActorSlot], results: list, roles: list[tuple[int, bool]]) -> list:
+    """Per actor, from the `(slot, result)` of every bucket call and its
+    `(bucket, verifying)` role: the actor's first failure, or the buckets it
+    must verify itself because their verifier on its node died."""
+    failed: dict[int, BaseException] = {}
+    orphans: dict[str, set[int]] = {s.node: set() for s in slots}
+    for (slot, result), (index, verifying) in zip(results, roles, strict=True):
+        if isinstance(result, BaseException):
+            failed.setdefault(slot.index, result)
+            if verifying and isinstance(result, ActorGone):
+                orphans[slot.node].add(index)
+    return [(s, failed.get(s.index) or tuple(sorted(orphans[s.node]))) for s in slots]
 
 
 def _rejection(slot: ActorSlot, error: BaseException, version: int) -> BaseException:

@@ -86,6 +86,13 @@ def reserve(placement: Placement, timeout_s: float):
     return pg
 
 
+def bundle_nodes(pg) -> dict[int, str]:
+    """Bundle index -> id of the Ray node that holds it."""
+    from ray.util.placement_group import placement_group_table
+
+    return dict(placement_group_table(pg)["bundles_to_node_id"])
+
+
 CONTROL = "control"  # pushes, health, logs: never queued behind generation
 GENERATE = "generate"
 

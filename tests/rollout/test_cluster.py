@@ -14,6 +14,7 @@ import torch
 
 import rollout
 from rollout import RolloutCluster, SamplingParams
+from rollout.wire import BucketPacker
 from tests.factories import _randomize, hf_logprobs
 
 KW = dict(
@@ -24,6 +25,7 @@ KW = dict(
     max_batch_size=64,
     timeout_s=120,
     stall_timeout_s=120,
+    bucket_bytes=64 * 1024,  # several buckets, so both actors verify some
 )
 PROMPTS = [list(range(3, 3 + k)) for k in (5, 9, 17, 30, 6, 11, 2, 21)]
 PARAMS = SamplingParams(n=3, max_tokens=16, ignore_eos=True, seed=4, logprobs_mode="raw")
@@ -77,7 +79,9 @@ def test_after_a_push_every_actor_serves_the_new_weights(cluster, policies, ray_
     assert [o.index for o in outs] == list(range(len(PROMPTS)))
     assert [o.prompt_token_ids for o in outs] == PROMPTS
     assert {v for o in outs for s in o.samples for v in s.versions} == {1}
-    assert {h["version"] for h in cluster.health()} == {1}
+    health = cluster.health()
+    assert {h["version"] for h in health} == {1}
+    assert [h["buckets_copied"] for h in health] == [0, 0]  # the object store laid every bucket out whole
 
 
 def test_a_push_rejected_by_one_actor_commits_on_none(cluster, policies, ray_session):
@@ -87,6 +91,13 @@ def test_a_push_rejected_by_one_actor_commits_on_none(cluster, policies, ray_ses
     bad = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)}
     with pytest.raises(ValueError, match=r"q_proj.weight.*shape \(3, 3\)"):
         cluster.push_weights(bad)
+    nan = policies[1].state_dict()
+    _, manifest = BucketPacker(KW["bucket_bytes"]).pack(nan)
+    for bucket in (0, 1):  # verified by actor 0 and actor 1
+        name = next(e.name for e in manifest.entries if e.bucket == bucket)
+        poisoned = dict(nan, **{name: nan[name].clone().fill_(float("nan"))})
+        with pytest.raises(ValueError, match=rf"rejected weight push v1; no actor committed it: .*{name}.*NaN"):
+            cluster.push_weights(poisoned)
     assert cluster.policy_version() == 0 and {h["version"] for h in cluster.health()} == {0}
     assert_per_version(cluster.generate(PROMPTS, PARAMS), policies)
     assert {v for o in cluster.generate(PROMPTS, PARAMS) for s in o.samples for v in s.versions} == {0}

@@ -8,10 +8,12 @@ import inspect
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from rollout import SamplingParams
+from rollout.wire import BucketPacker, unpack
 from tests.conftest import make_engine
 from tests.factories import _randomize, hf_logprobs
 
@@ -266,3 +268,60 @@ def _wait_until(predicate, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         time.sleep(0.001)
+
+
+def _store_buckets(state):
+    """Contiguous read-only buckets, as a rollout actor receives them from the object store."""
+    buckets, manifest = BucketPacker().pack(state)
+    for b in buckets:
+        b.flags.writeable = False
+    return buckets, unpack(buckets, manifest)
+
+
+def test_immutable_host_update_adopts_the_buckets_without_a_copy(qwen2, hf_b):
+    engine = make_engine(qwen2.path)
+    buckets, state = _store_buckets(hf_b.state_dict())
+    engine.commit_weights(engine.prepare_weights(state, immutable=True))
+    layer, p = engine.model.layers[1], "model.layers.1."
+    assert layer.qkv.data_ptr() == state[p + "self_attn.q_proj.weight"].data_ptr()  # q/k/v adopted as one view
+    assert layer.qkv_bias.data_ptr() == state[p + "self_attn.q_proj.bias"].data_ptr()
+    assert layer.gate_up.data_ptr() == state[p + "mlp.gate_proj.weight"].data_ptr()
+    assert engine.model.embed.data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    _assert_matches(hf_b, engine.generate(PROMPTS, PARAMS), version=1)
+    # A later partial update copies the fused parameter out; the adopted bytes never change.
+    before = [b.copy() for b in buckets]
+    k = "model.layers.1.self_attn.k_proj.weight"
+    partial = {k: qwen2.hf.state_dict()[k].clone()}
+    assert engine.update_weights(partial) == 2
+    assert all(np.array_equal(a, b) for a, b in zip(before, buckets, strict=True))
+    assert layer.qkv.data_ptr() != state[p + "self_attn.q_proj.weight"].data_ptr()
+    expected = copy.deepcopy(hf_b)
+    expected.load_state_dict(partial, strict=False)
+    _assert_matches(expected, engine.generate(PROMPTS, PARAMS), version=2)
+
+
+def test_immutable_sources_that_do_not_lie_side_by_side_are_staged(qwen2, hf_b):
+    engine = make_engine(qwen2.path)
+    state = {k: v.clone() for k, v in hf_b.state_dict().items()}  # separate allocations
+    engine.commit_weights(engine.prepare_weights(state, immutable=True))
+    qkv = engine.model.layers[0].qkv
+    assert qkv.data_ptr() != state["model.layers.0.self_attn.q_proj.weight"].data_ptr()
+    assert engine.model.norm.data_ptr() == state["model.norm.weight"].data_ptr()  # whole tensors are adopted
+    _assert_matches(hf_b, engine.generate(PROMPTS, PARAMS), version=1)
+
+
+def test_host_updates_swap_storage_and_reuse_the_old_as_staging(qwen2, hf_b):
+    engine = make_engine(qwen2.path)
+    qkv = engine.model.layers[0].qkv
+    first = qkv.data_ptr()
+    engine.update_weights(hf_b.state_dict())
+    second = qkv.data_ptr()
+    engine.update_weights(qwen2.hf.state_dict())
+    assert second != first and qkv.data_ptr() == first  # two buffers take turns: nothing allocated
+    _assert_matches(qwen2.hf, engine.generate(PROMPTS, PARAMS), version=2)
+    staged = engine.prepare_weights(hf_b.state_dict())
+    engine.discard_weights(staged)
+    with pytest.raises(RuntimeError, match="discarded already"):
+        engine.commit_weights(staged)
+    assert engine.policy_version == 2
+    _assert_matches(qwen2.hf, engine.generate(PROMPTS, PARAMS), version=2)

@@ -1,9 +1,10 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from rollout.wire import ALIGN, BucketPacker, unpack, verify
+from rollout.wire import ALIGN, SEGMENT_MIN, BucketPacker, assemble, unpack, verify, wire_order
 
 
 def _state():
@@ -14,35 +15,108 @@ def _state():
         "c.weight": torch.randn(200, 50, generator=g).to(torch.float16),
         "d.scalar": torch.tensor(3.5),
         "e.strided": torch.randn(40, 30, generator=g).t(),  # not contiguous
+        "f.weight": torch.randn(32, 32, generator=g),  # 4 KiB, contiguous: sent in place
+        "g.empty": torch.zeros(0, 4),
     }
 
 
 def test_round_trip_is_bit_exact_across_buckets():
     state = _state()
-    packer = BucketPacker(bucket_bytes=4096)
-    buckets, manifest = packer.pack(state)
+    buckets, manifest = BucketPacker(bucket_bytes=4096).pack(state)
     assert len(buckets) >= 3  # small buckets force a split; large tensors get their own
     assert all(e.offset % ALIGN == 0 for e in manifest.entries)
     verify(buckets, manifest)
     out = unpack(buckets, manifest)
-    assert list(out) == list(state)
+    assert sorted(out) == sorted(state) and list(out) == [e.name for e in manifest.entries]
     for name, t in state.items():
         assert out[name].dtype == t.dtype and out[name].shape == t.shape
         assert torch.equal(out[name], t)
     assert manifest.total_bytes == sum(t.numel() * t.element_size() for t in state.values())
 
 
-def test_buffers_are_reused_between_pushes():
+def test_segments_view_large_contiguous_tensors_in_place():
+    state = _state()
+    packed = list(BucketPacker().pack_buckets(state))
+    assert len(packed) == 1
+    segments = packed[0].segments
+    assert all(s.nbytes % ALIGN == 0 and s.nbytes >= SEGMENT_MIN for s in segments)
+    in_place = {n for n in state if any(s.ctypes.data == state[n].data_ptr() for s in segments)}
+    assert in_place == {"a.weight", "f.weight"}  # 8448 and 4096 bytes; the rest are small, odd or strided
+    offsets = np.cumsum([0] + [s.nbytes for s in segments])
+    for e in (e for e in packed[0].entries if e.nbytes):  # each entry lies inside one segment
+        k = np.searchsorted(offsets, e.offset, side="right") - 1
+        assert e.offset + e.nbytes <= offsets[k + 1]
+
+
+def test_assemble_is_zero_copy_for_segments_side_by_side():
+    packed = next(BucketPacker().pack_buckets(_state()))
+    store = np.concatenate(packed.segments)  # what the object store does: one copy, side by side
+    cuts = np.cumsum([0] + [s.nbytes for s in packed.segments])
+    received = [store[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    bucket, copied = assemble(received)
+    assert not copied and bucket.ctypes.data == store.ctypes.data and not bucket.flags.writeable
+    del store, received  # the bucket keeps the memory alive
+    copy, copied = assemble(packed.segments)  # separate arrays: copied together, same bytes
+    assert copied and np.array_equal(copy, bucket)
+    with pytest.raises(TypeError, match="segment 0"):
+        assemble([np.zeros((2, 2), dtype=np.uint8)])
+
+
+def test_scratch_is_reused_between_pushes():
     packer = BucketPacker(bucket_bytes=1 << 20)
-    first, _ = packer.pack(_state())
-    second, manifest = packer.pack({k: v * 2 for k, v in _state().items()})
-    assert first[0].ctypes.data == second[0].ctypes.data
-    assert torch.equal(unpack(second, manifest)["a.weight"], _state()["a.weight"] * 2)
+    state = _state()
+    first = next(packer.pack_buckets(state))
+    doubled = {k: v.mul_(2) for k, v in _state().items()}  # same layout, new values
+    second = next(packer.pack_buckets(doubled))
+    sources = {t.data_ptr() for t in state.values()}
+    scratch = [i for i, s in enumerate(first.segments) if s.ctypes.data not in sources]
+    assert scratch
+    assert [first.segments[i].ctypes.data for i in scratch] == [second.segments[i].ctypes.data for i in scratch]
+    bucket, _ = assemble(second.segments)
+    out = unpack([bucket], _manifest(second))
+    assert torch.equal(out["b.bias"], state["b.bias"] * 2)
+
+
+def _manifest(packed):
+    from rollout.wire import Manifest
+
+    return Manifest(packed.entries, (packed.nbytes,))
+
+
+def test_wire_order_puts_fused_siblings_side_by_side():
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.k_proj.bias",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.v_proj.bias",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+    ]
+    p = "model.layers.0.self_attn."
+    assert wire_order(names) == [
+        ["model.embed_tokens.weight"],
+        [p + "q_proj.weight", p + "k_proj.weight", p + "v_proj.weight", p + "o_proj.weight"]
+        + [p + "q_proj.bias", p + "k_proj.bias", p + "v_proj.bias"],
+        ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"],
+        ["model.layers.0.input_layernorm.weight"],
+    ]
+
+
+def test_a_module_is_not_split_across_buckets():
+    block = torch.ones(16, 32)  # 2 KiB
+    state = {"x.a.weight": block, "y.p.weight": block, "y.q.weight": block, "y.r.weight": block}
+    _, manifest = BucketPacker(bucket_bytes=3 * block.nbytes).pack(state)
+    assert [e.bucket for e in manifest.entries] == [0, 1, 1, 1]
 
 
 def test_corruption_is_named():
     buckets, manifest = BucketPacker(bucket_bytes=4096).pack(_state())
-    entry = manifest.entries[2]
+    entry = next(e for e in manifest.entries if e.name == "c.weight")
     buckets[entry.bucket][entry.offset + 5] ^= 0xFF
     with pytest.raises(ValueError, match="'c.weight' fails its checksum"):
         verify(buckets, manifest)

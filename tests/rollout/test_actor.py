@@ -1,0 +1,57 @@
+"""RolloutWorker without Ray: receiving buckets as segments, who verifies them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rollout.actor import RolloutWorker
+from rollout.wire import BucketPacker, Manifest
+from tests.factories import _randomize
+
+ENGINE = dict(device="cpu", max_batch_size=8, max_seq_len=128, kv_cache_tokens=1024)
+
+
+def _packed(state):
+    packed = list(BucketPacker(bucket_bytes=1 << 16).pack_buckets(state))
+    manifest = Manifest(tuple(e for p in packed for e in p.entries), tuple(p.nbytes for p in packed))
+    return packed, manifest
+
+
+def test_a_bucket_is_scanned_only_where_asked_and_prepare_verifies_orphans(qwen2):
+    worker = RolloutWorker(qwen2.path, ENGINE)
+    state = {k: v.clone() for k, v in qwen2.hf.state_dict().items()}
+    bad = "model.layers.1.mlp.down_proj.weight"
+    state[bad][3, 3] = float("nan")
+    packed, manifest = _packed(state)
+    assert len(packed) > 2
+    hit = next(e.bucket for e in manifest.entries if e.name == bad)
+    for p in packed:  # another actor on this node verifies: nothing is scanned here
+        worker.stage_bucket("push", p.index, p.entries, list(p.segments), verify=False)
+    with pytest.raises(ValueError, match=f"{bad}.*NaN"):  # that actor died: this one verifies its buckets
+        worker.prepare_push("push", manifest, verify=(hit,))
+    with pytest.raises(ValueError, match=f"{bad}.*NaN"):
+        worker.stage_bucket("again", hit, packed[hit].entries, list(packed[hit].segments))
+    assert worker.engine.policy_version == 0
+
+
+def test_corrupt_segments_fail_their_checksum_and_good_pushes_commit(qwen2):
+    worker = RolloutWorker(qwen2.path, ENGINE)
+    policy = copy.deepcopy(qwen2.hf)
+    _randomize(policy, seed=5)
+    new = policy.state_dict()
+    packed, manifest = _packed(new)
+    segments = [s.copy() for s in packed[1].segments]
+    segments[0][7] ^= 0xFF
+    with pytest.raises(ValueError, match="fails its checksum"):
+        worker.stage_bucket("push", 1, packed[1].entries, segments)
+    for p in packed:
+        worker.stage_bucket("good", p.index, p.entries, list(p.segments))
+    assert worker.prepare_push("good", manifest) > 0
+    assert worker.commit_push("good", 4, "recompute") == 4
+    assert worker.health()["version"] == 4 and worker.health()["buckets_copied"] == len(packed)
+    model, p = worker.engine.model, "model.layers.0.self_attn."
+    assert torch.equal(model.norm, new["model.norm.weight"])
+    assert torch.equal(model.layers[0].qkv, torch.cat([new[p + f"{x}_proj.weight"] for x in "qkv"]))
