@@ -67,7 +67,7 @@ class RolloutCluster(GenerationDispatch, WeightPushes):
         self._engine_kwargs = dict(engine_kwargs)
         self._versions = PolicyVersionGuard(0)  # cluster-wide version counter; pushes are serialised
         self._published: Published | None = None
-        self._push_lock = threading.RLock()
+        self._push_lock = threading.Lock()  # one push at a time; a background push releases it on its thread
         self._cond = threading.Condition()
         self._closed = False
         self._slots: list[ActorSlot] = []

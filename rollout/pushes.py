@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -13,6 +14,19 @@ from .engine import check_inflight
 from .handles import PushHandle
 from .ray_runtime import control, ray_module
 from .wire import Manifest
+
+
+@dataclass(slots=True)
+class _Shipment:
+    """A push whose buckets are in the object store, on their way to the actors."""
+
+    version: int
+    push_id: str
+    slots: list[ActorSlot]  # the actors alive when it started
+    manifest: Manifest
+    refs: tuple  # object refs of the buckets
+    calls: list  # (slot, generation, ref) of every `stage_bucket` call
+    roles: list[tuple[int, bool]]  # per call: (bucket, whether that actor verifies it)
 
 
 class WeightPushes:
@@ -29,50 +43,33 @@ class WeightPushes:
 
         Two-phase: every live actor fetches, verifies and stages the push;
         if any rejects it, none commits it and the actor's error is raised
-        here. `wait=False` returns a `PushHandle` at once.
+        here. `wait=False` returns a `PushHandle` as soon as the weights are
+        in the object store: from then on the caller may change its tensors
+        (train the next step) while the actors verify and commit.
         """
         self._check_open()
         check_inflight(inflight)
         self._versions.check_next(version)
+        self._push_lock.acquire()  # released when the push ends, by whichever thread ends it
+        try:
+            shipment = self._ship(state_dict, version)
+        except BaseException:
+            self._push_lock.release()
+            raise
         if not wait:
-            return PushHandle(lambda: self._push(state_dict, version, inflight))
-        return self._push(state_dict, version, inflight)
+            return PushHandle(lambda: self._finish(shipment, inflight))
+        return self._finish(shipment, inflight)
 
-    def _push(self, state_dict, requested: int | None, inflight: str) -> int:
-        with self._push_lock:
-            version = self._versions.check_next(requested)
-            push_id = uuid.uuid4().hex
-            with self._cond:
-                slots = [s for s in self._slots if s.state == "alive"]
-            manifest, refs, received = self._ship(state_dict, push_id, slots, version)
-            prepared = self._collect(
-                [
-                    (s, s.generation, control(s.handle, "prepare_push").remote(push_id, manifest, todo))
-                    for s, todo in received
-                    if not isinstance(todo, BaseException)
-                ],
-                f"preparing weight push v{version}",
-            )
-            results = [(s, r) for s, r in received if isinstance(r, BaseException)] + prepared
-            ready = [s for s, r in results if not isinstance(r, BaseException)]
-            rejected = [(s, r) for s, r in results if isinstance(r, BaseException) and not isinstance(r, ActorGone)]
-            if rejected:
-                self._call_all(
-                    slots, lambda h: control(h, "abort_push").remote(push_id), f"aborting weight push v{version}"
-                )
-                raise _rejection(*rejected[0], version)
-            self._published = Published(manifest, version, refs)
-            self._commit(ready, push_id, version, inflight)
-            self._versions.commit(version, lambda _: None)
-            return version
-
-    def _ship(self, state_dict, push_id: str, slots: list[ActorSlot], version: int):
-        """Pack, put and send the buckets one by one: actors receive bucket i
-        while bucket i+1 is packed. Actors on one node share its object store,
-        so one of them (round robin) verifies each bucket. Returns the
-        manifest, the bucket refs and per actor its first failure, or the
-        buckets it must verify itself because their verifier died."""
+    def _ship(self, state_dict, requested: int | None) -> _Shipment:
+        """Pack and put the buckets one by one, sending each to the actors as
+        it lands: actors receive bucket i while bucket i+1 is packed. Actors
+        on one node share its object store, so one of them (round robin)
+        verifies each bucket."""
         ray = ray_module()
+        version = self._versions.check_next(requested)
+        push_id = uuid.uuid4().hex
+        with self._cond:
+            slots = [s for s in self._slots if s.state == "alive"]
         by_node: dict[str, list[ActorSlot]] = {}
         for slot in slots:
             by_node.setdefault(slot.node, []).append(slot)
@@ -91,9 +88,43 @@ class WeightPushes:
                     )
                     calls.append((slot, slot.generation, call))
                     roles.append((packed.index, verify))
-        results = self._collect(calls, f"receiving weight push v{version}")
-        received = received_per_actor(slots, results, roles)
-        return Manifest(tuple(entries), tuple(sizes)), tuple(refs), received
+        manifest = Manifest(tuple(entries), tuple(sizes))
+        return _Shipment(version, push_id, slots, manifest, tuple(refs), calls, roles)
+
+    def _finish(self, shipment: _Shipment, inflight: str) -> int:
+        """Phase one on every actor that received the push, then phase two
+        where all accepted it; releases the push lock."""
+        try:
+            version, push_id = shipment.version, shipment.push_id
+            received = received_per_actor(
+                shipment.slots,
+                self._collect(shipment.calls, f"receiving weight push v{version}"),
+                shipment.roles,
+            )
+            prepared = self._collect(
+                [
+                    (s, s.generation, control(s.handle, "prepare_push").remote(push_id, shipment.manifest, todo))
+                    for s, todo in received
+                    if not isinstance(todo, BaseException)
+                ],
+                f"preparing weight push v{version}",
+            )
+            results = [(s, r) for s, r in received if isinstance(r, BaseException)] + prepared
+            ready = [s for s, r in results if not isinstance(r, BaseException)]
+            rejected = [(s, r) for s, r in results if isinstance(r, BaseException) and not isinstance(r, ActorGone)]
+            if rejected:
+                self._call_all(
+                    shipment.slots,
+                    lambda h: control(h, "abort_push").remote(push_id),
+                    f"aborting weight push v{version}",
+                )
+                raise _rejection(*rejected[0], version)
+            self._published = Published(shipment.manifest, version, shipment.refs)
+            self._commit(ready, push_id, version, inflight)
+            self._versions.commit(version, lambda _: None)
+            return version
+        finally:
+            self._push_lock.release()
 
     def _commit(self, ready: list[ActorSlot], push_id: str, version: int, inflight: str) -> None:
         committed = self._call_all(

@@ -115,7 +115,7 @@ class BucketPacker:
         without an object store. Raises like `pack_buckets`."""
         buckets, entries = [], []
         for packed in self.pack_buckets(state_dict):
-            buckets.append(assemble(packed.segments)[0].copy())
+            buckets.append(np.concatenate(packed.segments))
             entries.extend(packed.entries)
         return buckets, Manifest(tuple(entries), tuple(b.nbytes for b in buckets))
 

@@ -173,6 +173,15 @@ def test_actor_killed_mid_generate_loses_nothing(cluster, policies):
     assert_per_version(cluster.generate(PROMPTS, PARAMS), policies)
 
 
+def test_a_background_push_has_the_weights_when_it_returns(cluster, policies):
+    state = {k: v.clone() for k, v in policies[1].state_dict().items()}
+    handle = cluster.push_weights(state, wait=False)
+    for tensor in state.values():  # the trainer's next step overwrites its tensors at once
+        tensor.fill_(float("nan"))
+    assert handle.result(120) == 1
+    assert_per_version(cluster.generate(PROMPTS, PARAMS), policies)
+
+
 def test_push_while_an_actor_is_dead_neither_hangs_nor_splits_versions(cluster, policies):
     os.kill(cluster.health()[1]["pid"], signal.SIGKILL)
     handle = cluster.push_weights(policies[1].state_dict(), wait=False)
