@@ -18,7 +18,7 @@ from .outputs import RolloutOutput
 from .prompts import PromptLimits
 from .sampling_params import SamplingParams
 from .weight_update import StagedUpdate, all_finite
-from .wire import Manifest, TensorEntry, assemble, unpack, unpack_entries, verify_entries
+from .wire import Manifest, TensorEntry, assemble, unpack, unpack_entries, verification_shares, verify_entries
 
 
 def resident_bytes(kind: str = "VmRSS") -> int:
@@ -117,25 +117,25 @@ class RolloutWorker:
         index: int,
         entries: tuple[TensorEntry, ...],
         segments: list[np.ndarray],
-        verify: bool = True,
+        share: tuple[int, int] = (0, 1),
     ) -> int:
         """Receive one bucket of a push as the segments the object store laid
-        side by side; with `verify`, check its checksums and scan it for
-        NaN/inf (while later buckets are still on their way). Actors that
-        share an object store read the same bytes, so the cluster asks one
-        of them to verify each bucket. Returns the bucket's size."""
+        side by side, and verify share `part` of `parts` of it (checksums,
+        NaN/inf) while later buckets are still on their way. Actors that
+        share an object store read the same bytes, so the cluster gives each
+        of them one share of every bucket. Returns the bucket's size."""
         bucket, copied = assemble(segments)
-        if verify:
-            check_bucket(bucket, entries)
+        part, parts = share
+        check_bucket(bucket, verification_shares(entries, parts)[part])
         with self._lock:
             self._incoming.setdefault(push_id, {})[index] = (tuple(entries), bucket)
             self._buckets_copied += copied
         return bucket.nbytes
 
-    def prepare_push(self, push_id: str, manifest: Manifest, verify: tuple[int, ...] = ()) -> int:
+    def prepare_push(self, push_id: str, manifest: Manifest, verify: tuple[tuple[int, int, int], ...] = ()) -> int:
         """Phase one: check the received buckets against the manifest, verify
-        the buckets listed in `verify` (whose verifier died), validate and
-        stage; returns the bytes the commit will install."""
+        the shares `(bucket, part, parts)` in `verify` (their verifier died),
+        validate and stage; returns the bytes the commit will install."""
         with self._lock:
             incoming = self._incoming.pop(push_id, {})
         self._raise_injected("prepare_push")
@@ -146,8 +146,8 @@ class RolloutWorker:
                 raise ValueError(f"weight push bucket {index} did not arrive intact")
             if entries != tuple(e for e in manifest.entries if e.bucket == index):
                 raise ValueError(f"weight push bucket {index} does not match the manifest")
-            if index in verify:
-                check_bucket(bucket, entries)
+            for _, part, parts in (v for v in verify if v[0] == index):
+                check_bucket(bucket, verification_shares(entries, parts)[part])
             buckets.append(bucket)
         staged = self.engine.prepare_weights(unpack(buckets, manifest), immutable=True, verified_finite=True)
         with self._lock:

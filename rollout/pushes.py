@@ -26,7 +26,7 @@ class _Shipment:
     manifest: Manifest
     refs: tuple  # object refs of the buckets
     calls: list  # (slot, generation, ref) of every `stage_bucket` call
-    roles: list[tuple[int, bool]]  # per call: (bucket, whether that actor verifies it)
+    roles: list[tuple[int, int, int]]  # per call: (bucket, part, parts), the share that actor verifies
 
 
 class WeightPushes:
@@ -63,8 +63,8 @@ class WeightPushes:
     def _ship(self, state_dict, requested: int | None) -> _Shipment:
         """Pack and put the buckets one by one, sending each to the actors as
         it lands: actors receive bucket i while bucket i+1 is packed. Actors
-        on one node share its object store, so one of them (round robin)
-        verifies each bucket."""
+        on one node share its object store, so each verifies one share of
+        every bucket."""
         ray = ray_module()
         version = self._versions.check_next(requested)
         push_id = uuid.uuid4().hex
@@ -80,14 +80,14 @@ class WeightPushes:
             entries.extend(packed.entries)
             sizes.append(packed.nbytes)
             for members in by_node.values():
-                verifier = members[packed.index % len(members)]
-                for slot in members:
-                    verify = slot is verifier
+                parts = len(members)
+                for position, slot in enumerate(members):
+                    part = (position + packed.index) % parts  # rotates, as the first share is the heaviest
                     call = control(slot.handle, "stage_bucket").remote(
-                        push_id, packed.index, packed.entries, ref, verify
+                        push_id, packed.index, packed.entries, ref, (part, parts)
                     )
                     calls.append((slot, slot.generation, call))
-                    roles.append((packed.index, verify))
+                    roles.append((packed.index, part, parts))
         manifest = Manifest(tuple(entries), tuple(sizes))
         return _Shipment(version, push_id, slots, manifest, tuple(refs), calls, roles)
 
@@ -146,17 +146,18 @@ class WeightPushes:
         return self._versions.version
 
 
-def received_per_actor(slots: list[ActorSlot], results: list, roles: list[tuple[int, bool]]) -> list:
-    """Per actor, from the `(slot, result)` of every bucket call and its
-    `(bucket, verifying)` role: the actor's first failure, or the buckets it
-    must verify itself because their verifier on its node died."""
+def received_per_actor(slots: list[ActorSlot], results: list, roles: list[tuple[int, int, int]]) -> list:
+    """Per actor, from the `(slot, result)` of every bucket call and its role
+    `(bucket, part, parts)` (the share of the bucket it verifies): the
+    actor's first failure, or the shares it must verify itself because their
+    verifier on its node died."""
     failed: dict[int, BaseException] = {}
-    orphans: dict[str, set[int]] = {s.node: set() for s in slots}
-    for (slot, result), (index, verifying) in zip(results, roles, strict=True):
+    orphans: dict[str, set[tuple[int, int, int]]] = {s.node: set() for s in slots}
+    for (slot, result), role in zip(results, roles, strict=True):
         if isinstance(result, BaseException):
             failed.setdefault(slot.index, result)
-            if verifying and isinstance(result, ActorGone):
-                orphans[slot.node].add(index)
+            if isinstance(result, ActorGone):
+                orphans[slot.node].add(role)
     return [(s, failed.get(s.index) or tuple(sorted(orphans[s.node]))) for s in slots]
 
 

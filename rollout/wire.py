@@ -26,7 +26,7 @@ then adopt them as one fused parameter without a copy.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,8 +81,13 @@ class WireBucket:
 
     index: int  # position in the manifest
     segments: tuple[np.ndarray, ...]  # uint8 arrays that, side by side, make the bucket
-    entries: tuple[TensorEntry, ...]  # the tensors it holds
     nbytes: int  # bucket size: the sum of the segment sizes
+    pending: Future  # the entries, while their checksums are computed
+
+    @property
+    def entries(self) -> tuple[TensorEntry, ...]:
+        """The tensors it holds, with their checksums (waits for them)."""
+        return self.pending.result()
 
 
 @dataclass(slots=True)
@@ -120,9 +125,11 @@ class BucketPacker:
         return buckets, Manifest(tuple(entries), tuple(b.nbytes for b in buckets))
 
     def pack_buckets(self, state_dict: Mapping[str, torch.Tensor]) -> Iterator[WireBucket]:
-        """Pack bucket by bucket, yielding each as it is ready, so a sender
-        can ship one while the next is packed. The segments view the
-        caller's tensors: they must not change until the buckets are put.
+        """Pack bucket by bucket, yielding each as soon as its segments are
+        ready: its checksums are computed on a helper thread (XXH3 releases
+        the GIL) while the caller puts the segments, and `entries` waits for
+        them. The segments view the caller's tensors: they must not change
+        until the buckets are put.
 
         The whole state dict is checked before anything is copied: a
         non-string name, a non-tensor value or an unsupported dtype raises
@@ -130,15 +137,10 @@ class BucketPacker:
         """
         layout = self._layout(_checked(state_dict))
         scratch = self._scratch_for([sum(s.nbytes for s in b if not s.in_place) for b in layout])
-        # Checksums of bucket i+1 are computed on a helper thread while the
-        # caller puts bucket i (XXH3 releases the GIL).
         with ThreadPoolExecutor(1, thread_name_prefix="rollout-pack") as pool:
-            ahead = pool.submit(self._fill, 0, layout[0], scratch[0])
-            for index in range(len(layout)):
-                packed = ahead.result()
-                if index + 1 < len(layout):
-                    ahead = pool.submit(self._fill, index + 1, layout[index + 1], scratch[index + 1])
-                yield packed
+            for index, segments in enumerate(layout):
+                arrays, placed = _fill(segments, scratch[index])
+                yield WireBucket(index, arrays, sum(a.nbytes for a in arrays), pool.submit(_entries, index, placed))
 
     def _layout(self, state_dict: Mapping[str, torch.Tensor]) -> list[list[_Segment]]:
         """Buckets of segments. A module's tensors share a bucket unless they
@@ -162,22 +164,30 @@ class BucketPacker:
             self._scratch = [np.zeros(s, dtype=np.uint8) for s in sizes]
         return self._scratch
 
-    def _fill(self, index: int, segments: list[_Segment], scratch: np.ndarray) -> WireBucket:
-        arrays, entries, cursor = [], [], 0
-        for seg in segments:
-            if seg.in_place:
-                _, tensor, _ = seg.tensors[0]
-                arrays.append(_bytes_of(tensor))
-            else:
-                arrays.append(scratch[cursor : cursor + seg.nbytes])
-                cursor += seg.nbytes
-            for name, tensor, offset in seg.tensors:
-                raw = arrays[-1][offset - seg.offset : offset - seg.offset + _nbytes(tensor)]
-                if not seg.in_place:
-                    torch.from_numpy(raw).view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-                dtype = str(tensor.dtype).removeprefix("torch.")
-                entries.append(TensorEntry(name, dtype, tuple(tensor.shape), index, offset, raw.nbytes, checksum(raw)))
-        return WireBucket(index, tuple(arrays), tuple(entries), sum(a.nbytes for a in arrays))
+
+def _fill(segments: list[_Segment], scratch: np.ndarray) -> tuple[tuple[np.ndarray, ...], list]:
+    """A bucket's segment arrays (in-place views, or scratch with the small
+    tensors copied in) and, per tensor, `(name, tensor, offset, its bytes)`."""
+    arrays, placed, cursor = [], [], 0
+    for seg in segments:
+        if seg.in_place:
+            arrays.append(_bytes_of(seg.tensors[0][1]))
+        else:
+            arrays.append(scratch[cursor : cursor + seg.nbytes])
+            cursor += seg.nbytes
+        for name, tensor, offset in seg.tensors:
+            raw = arrays[-1][offset - seg.offset : offset - seg.offset + _nbytes(tensor)]
+            if not seg.in_place:
+                torch.from_numpy(raw).view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+            placed.append((name, tensor, offset, raw))
+    return tuple(arrays), placed
+
+
+def _entries(index: int, placed: list) -> tuple[TensorEntry, ...]:
+    return tuple(
+        TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), index, offset, raw.nbytes, checksum(raw))
+        for name, t, offset, raw in placed
+    )
 
 
 def wire_order(names: Iterable[str]) -> list[list[str]]:
@@ -265,6 +275,19 @@ class _Bucket(np.ndarray):
         bucket = view.view(cls)
         bucket.segments = tuple(segments)
         return bucket
+
+
+def verification_shares(entries: Sequence[TensorEntry], parts: int) -> list[tuple[TensorEntry, ...]]:
+    """`entries` split into `parts` shares of about equal bytes (largest
+    first, each to the lightest share), in bucket order inside a share. The
+    split is the same on every process, so actors that share an object
+    store can each verify one share of a bucket."""
+    loads, shares = [0] * parts, [[] for _ in range(parts)]
+    for e in sorted(entries, key=lambda e: (-e.nbytes, e.offset)):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(e)
+        loads[lightest] += e.nbytes
+    return [tuple(sorted(share, key=lambda e: e.offset)) for share in shares]
 
 
 def _checked(state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

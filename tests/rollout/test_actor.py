@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout.actor import RolloutWorker
-from rollout.wire import BucketPacker, Manifest
+from rollout.wire import BucketPacker, Manifest, verification_shares
 from tests.factories import _randomize
 
 ENGINE = dict(device="cpu", max_batch_size=8, max_seq_len=128, kv_cache_tokens=1024)
@@ -20,7 +20,7 @@ def _packed(state):
     return packed, manifest
 
 
-def test_a_bucket_is_scanned_only_where_asked_and_prepare_verifies_orphans(qwen2):
+def test_each_actor_verifies_its_share_and_prepare_verifies_orphans(qwen2):
     worker = RolloutWorker(qwen2.path, ENGINE)
     state = {k: v.clone() for k, v in qwen2.hf.state_dict().items()}
     bad = "model.layers.1.mlp.down_proj.weight"
@@ -28,13 +28,24 @@ def test_a_bucket_is_scanned_only_where_asked_and_prepare_verifies_orphans(qwen2
     packed, manifest = _packed(state)
     assert len(packed) > 2
     hit = next(e.bucket for e in manifest.entries if e.name == bad)
-    for p in packed:  # another actor on this node verifies: nothing is scanned here
-        worker.stage_bucket("push", p.index, p.entries, list(p.segments), verify=False)
-    with pytest.raises(ValueError, match=f"{bad}.*NaN"):  # that actor died: this one verifies its buckets
-        worker.prepare_push("push", manifest, verify=(hit,))
-    with pytest.raises(ValueError, match=f"{bad}.*NaN"):
+    shares = verification_shares(packed[hit].entries, 2)
+    mine = next(j for j in (0, 1) if bad not in {e.name for e in shares[j]})
+    for p in packed:  # a node mate verifies the other share of each bucket
+        worker.stage_bucket("push", p.index, p.entries, list(p.segments), share=(mine, 2))
+    with pytest.raises(ValueError, match=f"{bad}.*NaN"):  # that actor died: this one verifies its share
+        worker.prepare_push("push", manifest, verify=((hit, 1 - mine, 2),))
+    with pytest.raises(ValueError, match=f"{bad}.*NaN"):  # alone on its node: verifies everything
         worker.stage_bucket("again", hit, packed[hit].entries, list(packed[hit].segments))
     assert worker.engine.policy_version == 0
+
+
+def test_verification_shares_split_a_bucket_by_bytes():
+    packed, _ = _packed({f"l.{i}.weight": torch.zeros(n) for i, n in enumerate([4096, 1024, 1024, 1024, 512, 512])})
+    entries = packed[0].entries
+    shares = verification_shares(entries, 2)
+    assert sorted(e.name for s in shares for e in s) == sorted(e.name for e in entries)
+    assert [sum(e.nbytes for e in s) for s in shares] == [16384, 16384]
+    assert verification_shares(entries, 1) == [entries]
 
 
 def test_corrupt_segments_fail_their_checksum_and_good_pushes_commit(qwen2):
