@@ -53,9 +53,11 @@ def cap_malloc_arenas(arenas: int = 2) -> bool:
         return False
 
 
-def check_bucket(bucket: np.ndarray, entries: tuple[TensorEntry, ...]) -> None:
-    """Checksums, then NaN/inf; raises `ValueError` naming the first bad tensor."""
-    verify_entries(bucket, entries)
+def check_bucket(bucket: np.ndarray, entries: tuple[TensorEntry, ...], checksums: bool = True) -> None:
+    """Checksums (unless told the bytes never left the trainer's node), then
+    NaN/inf; raises `ValueError` naming the first bad tensor."""
+    if checksums:
+        verify_entries(bucket, entries)
     for name, tensor in unpack_entries(bucket, entries).items():
         if tensor.is_floating_point() and not all_finite(tensor):
             raise ValueError(f"state_dict[{name!r}] holds NaN or inf values")
@@ -118,24 +120,30 @@ class RolloutWorker:
         entries: tuple[TensorEntry, ...],
         segments: list[np.ndarray],
         share: tuple[int, int] = (0, 1),
+        checksums: bool = True,
     ) -> int:
         """Receive one bucket of a push as the segments the object store laid
         side by side, and verify share `part` of `parts` of it (checksums,
         NaN/inf) while later buckets are still on their way. Actors that
         share an object store read the same bytes, so the cluster gives each
-        of them one share of every bucket. Returns the bucket's size."""
+        of them one share of every bucket; `checksums=False` where that store
+        is the trainer's own (the bytes crossed no network). Returns the
+        bucket's size."""
         bucket, copied = assemble(segments)
         part, parts = share
-        check_bucket(bucket, verification_shares(entries, parts)[part])
+        check_bucket(bucket, verification_shares(entries, parts)[part], checksums)
         with self._lock:
             self._incoming.setdefault(push_id, {})[index] = (tuple(entries), bucket)
             self._buckets_copied += copied
         return bucket.nbytes
 
-    def prepare_push(self, push_id: str, manifest: Manifest, verify: tuple[tuple[int, int, int], ...] = ()) -> int:
+    def prepare_push(
+        self, push_id: str, manifest: Manifest, verify: tuple[tuple[int, int, int, bool], ...] = ()
+    ) -> int:
         """Phase one: check the received buckets against the manifest, verify
-        the shares `(bucket, part, parts)` in `verify` (their verifier died),
-        validate and stage; returns the bytes the commit will install."""
+        the shares `(bucket, part, parts, checksums)` in `verify` (their
+        verifier died), validate and stage; returns the bytes the commit will
+        install."""
         with self._lock:
             incoming = self._incoming.pop(push_id, {})
         self._raise_injected("prepare_push")
@@ -146,8 +154,8 @@ class RolloutWorker:
                 raise ValueError(f"weight push bucket {index} did not arrive intact")
             if entries != tuple(e for e in manifest.entries if e.bucket == index):
                 raise ValueError(f"weight push bucket {index} does not match the manifest")
-            for _, part, parts in (v for v in verify if v[0] == index):
-                check_bucket(bucket, verification_shares(entries, parts)[part])
+            for _, part, parts, checksums in (v for v in verify if v[0] == index):
+                check_bucket(bucket, verification_shares(entries, parts)[part], checksums)
             buckets.append(bucket)
         staged = self.engine.prepare_weights(unpack(buckets, manifest), immutable=True, verified_finite=True)
         with self._lock:

@@ -26,7 +26,7 @@ class _Shipment:
     manifest: Manifest
     refs: tuple  # object refs of the buckets
     calls: list  # (slot, generation, ref) of every `stage_bucket` call
-    roles: list[tuple[int, int, int]]  # per call: (bucket, part, parts), the share that actor verifies
+    roles: list[tuple[int, int, int, bool]]  # per call: (bucket, part, parts, checksums), what that actor verifies
 
 
 class WeightPushes:
@@ -64,12 +64,15 @@ class WeightPushes:
         """Pack and put the buckets one by one, sending each to the actors as
         it lands: actors receive bucket i while bucket i+1 is packed. Actors
         on one node share its object store, so each verifies one share of
-        every bucket."""
+        every bucket. Checksums guard bytes that crossed the network: actors
+        on this process's node read the very memory the put wrote, so they
+        only scan for NaN/inf (that saved 8 ms of 87 on a 485 MiB push)."""
         ray = ray_module()
         version = self._versions.check_next(requested)
         push_id = uuid.uuid4().hex
         with self._cond:
             slots = [s for s in self._slots if s.state == "alive"]
+        here = ray.get_runtime_context().get_node_id()
         by_node: dict[str, list[ActorSlot]] = {}
         for slot in slots:
             by_node.setdefault(slot.node, []).append(slot)
@@ -79,15 +82,15 @@ class WeightPushes:
             refs.append(ref)
             entries.extend(packed.entries)
             sizes.append(packed.nbytes)
-            for members in by_node.values():
-                parts = len(members)
+            for node, members in by_node.items():
+                parts, checksums = len(members), node != here
                 for position, slot in enumerate(members):
                     part = (position + packed.index) % parts  # rotates, as the first share is the heaviest
                     call = control(slot.handle, "stage_bucket").remote(
-                        push_id, packed.index, packed.entries, ref, (part, parts)
+                        push_id, packed.index, packed.entries, ref, (part, parts), checksums
                     )
                     calls.append((slot, slot.generation, call))
-                    roles.append((packed.index, part, parts))
+                    roles.append((packed.index, part, parts, checksums))
         manifest = Manifest(tuple(entries), tuple(sizes))
         return _Shipment(version, push_id, slots, manifest, tuple(refs), calls, roles)
 
@@ -146,13 +149,13 @@ class WeightPushes:
         return self._versions.version
 
 
-def received_per_actor(slots: list[ActorSlot], results: list, roles: list[tuple[int, int, int]]) -> list:
+def received_per_actor(slots: list[ActorSlot], results: list, roles: list[tuple[int, int, int, bool]]) -> list:
     """Per actor, from the `(slot, result)` of every bucket call and its role
-    `(bucket, part, parts)` (the share of the bucket it verifies): the
-    actor's first failure, or the shares it must verify itself because their
-    verifier on its node died."""
+    `(bucket, part, parts, checksums)` (the share of the bucket it verifies):
+    the actor's first failure, or the shares it must verify itself because
+    their verifier on its node died."""
     failed: dict[int, BaseException] = {}
-    orphans: dict[str, set[tuple[int, int, int]]] = {s.node: set() for s in slots}
+    orphans: dict[str, set[tuple[int, int, int, bool]]] = {s.node: set() for s in slots}
     for (slot, result), role in zip(results, roles, strict=True):
         if isinstance(result, BaseException):
             failed.setdefault(slot.index, result)

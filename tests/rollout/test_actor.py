@@ -33,7 +33,7 @@ def test_each_actor_verifies_its_share_and_prepare_verifies_orphans(qwen2):
     for p in packed:  # a node mate verifies the other share of each bucket
         worker.stage_bucket("push", p.index, p.entries, list(p.segments), share=(mine, 2))
     with pytest.raises(ValueError, match=f"{bad}.*NaN"):  # that actor died: this one verifies its share
-        worker.prepare_push("push", manifest, verify=((hit, 1 - mine, 2),))
+        worker.prepare_push("push", manifest, verify=((hit, 1 - mine, 2, True),))
     with pytest.raises(ValueError, match=f"{bad}.*NaN"):  # alone on its node: verifies everything
         worker.stage_bucket("again", hit, packed[hit].entries, list(packed[hit].segments))
     assert worker.engine.policy_version == 0
@@ -58,11 +58,15 @@ def test_corrupt_segments_fail_their_checksum_and_good_pushes_commit(qwen2):
     segments[0][7] ^= 0xFF
     with pytest.raises(ValueError, match="fails its checksum"):
         worker.stage_bucket("push", 1, packed[1].entries, segments)
+    # On the trainer's node the bytes are the put's own memory: only NaN/inf are checked.
+    assert worker.stage_bucket("local", 1, packed[1].entries, segments, checksums=False) == packed[1].nbytes
+    worker.abort_push("local")
+    copied = worker.health()["buckets_copied"]
     for p in packed:
         worker.stage_bucket("good", p.index, p.entries, list(p.segments))
     assert worker.prepare_push("good", manifest) > 0
     assert worker.commit_push("good", 4, "recompute") == 4
-    assert worker.health()["version"] == 4 and worker.health()["buckets_copied"] == len(packed)
+    assert worker.health()["version"] == 4 and worker.health()["buckets_copied"] == copied + len(packed)
     model, p = worker.engine.model, "model.layers.0.self_attn."
     assert torch.equal(model.norm, new["model.norm.weight"])
     assert torch.equal(model.layers[0].qkv, torch.cat([new[p + f"{x}_proj.weight"] for x in "qkv"]))
