@@ -30,17 +30,25 @@ from rollout.synthetic import qwen2_config, random_state, write_checkpoint  # no
 CONFIG = qwen2_config()
 
 
-def copy_floor(nbytes: int, repeats: int = 5) -> float:
-    """Seconds for two in-memory copies of `nbytes` into warm buffers (best of `repeats`)."""
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src).fill_(0)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return best
+class CopyFloor:
+    """Two in-memory copies of the push's bytes into warm buffers. Measured
+    next to every timed push: this machine's memory bandwidth drifts (the
+    same copy took 27 ms in one run and 45 ms in another), so a floor taken
+    once would compare pushes against a different machine."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+        self.dst = torch.empty_like(self.src).fill_(0)
+
+    def seconds(self, repeats: int = 3) -> float:
+        """Best of `repeats` timings of the two copies."""
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.dst.copy_(self.src)
+            self.dst.copy_(self.src)
+            best = min(best, time.perf_counter() - start)
+        return best
 
 
 def naive_push_seconds(state: dict[str, torch.Tensor], actors) -> float:
@@ -87,33 +95,38 @@ def run(args) -> dict:
     )
     states = [random_state(CONFIG, 1 + k) for k in range(2)]
     nbytes = sum(t.nbytes for t in states[0].values())
-    floor = copy_floor(nbytes)
+    floor = CopyFloor(nbytes)
+    floor.seconds()
     warmup = []
     for k in range(1 + args.warmup):  # each process touches the store's pages on first use
         start = time.perf_counter()
         cluster.push_weights(states[k % 2])
         warmup.append(time.perf_counter() - start)
-    times = []
+    times, floors = [], []
     for k in range(args.pushes):
+        floors.append(floor.seconds())
         start = time.perf_counter()
         cluster.push_weights(states[k % 2])
         times.append(time.perf_counter() - start)
     push = statistics.median(times)
+    ratios = sorted(f / t for f, t in zip(floors, times, strict=True))
     fetch = ray.remote(num_cpus=0)(lambda ref: len(ref)).options
     naive = naive_push_seconds(states[0], [fetch(), fetch()]) if args.naive else None
     pause = measure_pause(cluster, states, args.pause_pushes)
     rollout.shutdown()
     return {
         "bytes": nbytes,
-        "floor_two_copies_s": floor,
+        "floor_two_copies_s": statistics.median(floors),
+        "floor_s_all": floors,
         "first_push_s": warmup[0],
         "warmup_push_s": warmup[1:],
         "push_s_median": push,
         "push_s_all": times,
-        "sync_efficiency": floor / push,
+        "sync_efficiency": statistics.median(ratios),  # median over pushes of floor / push
+        "sync_efficiency_range": (ratios[0], ratios[-1]),
         "gb_per_s": nbytes / push / 1e9,
         "naive_put_dict_s": naive,
-        "naive_sync_efficiency": floor / naive if naive else None,
+        "naive_sync_efficiency": statistics.median(floors) / naive if naive else None,
         **pause,
     }
 
@@ -150,7 +163,7 @@ def main() -> None:
     args = parser.parse_args()
     r = run(args)
     print(f"state dict: {r['bytes'] / 2**20:.0f} MiB float32, 2 actors, {args.bucket_mb} MiB buckets")
-    print(f"floor (two in-memory copies): {r['floor_two_copies_s'] * 1000:8.1f} ms")
+    print(f"floor (two in-memory copies): {r['floor_two_copies_s'] * 1000:8.1f} ms (median)")
     print(f"first push (cold buffers):     {r['first_push_s'] * 1000:8.1f} ms")
     print(f"warm-up pushes:                {', '.join(f'{t * 1000:.0f}' for t in r['warmup_push_s'])} ms")
     print(
@@ -162,7 +175,11 @@ def main() -> None:
             f"naive ray.put(dict):           {r['naive_put_dict_s'] * 1000:8.1f} ms "
             f"(efficiency {r['naive_sync_efficiency']:.3f})"
         )
-    print(f"sync_efficiency = floor_time / push_time = {r['sync_efficiency']:.3f}")
+    low, high = r["sync_efficiency_range"]
+    print(
+        f"sync_efficiency = floor_time / push_time = {r['sync_efficiency']:.3f} "
+        f"(median over pushes, each against the floor measured just before it; range {low:.3f}-{high:.3f})"
+    )
     print(
         f"longest pause during a push: {r['longest_pause_s'] * 1000:.1f} ms = "
         f"{r['pause_in_steps']:.2f} x median decode step ({r['median_step_s'] * 1000:.1f} ms)"
