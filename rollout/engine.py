@@ -82,7 +82,10 @@ class Engine:
     raise `ValueError`/`TypeError` naming the field before anything is built.
     Extra keywords: `page_size` (KV tokens per page), `max_step_tokens`
     (tokens computed per step), `debug_decode_cache` (check the fast decode
-    path against the host path every step), `step_callback`.
+    path against the host path every step), `decode_graphs` ("auto": CUDA
+    graphs for decode steps on a CUDA device; "off"; "eager": the padded
+    graph-shaped steps without capture, see `rollout.decode_graphs`),
+    `step_callback`.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Engine:
         page_size: int = 16,
         max_step_tokens: int | None = None,
         debug_decode_cache: bool = False,
+        decode_graphs: str = "auto",
         step_callback: Callable[[StepInfo], None] | None = None,
     ) -> None:
         self.model_config = ModelConfig.from_dir(model_path)
@@ -111,6 +115,7 @@ class Engine:
             seed=seed,
             page_size=page_size,
             max_step_tokens=max_step_tokens,
+            decode_graphs=decode_graphs,
         )
         self.config = cfg
         self.codec = TextCodec.from_dir(model_path, self.model_config.eos_token_ids)
@@ -132,7 +137,7 @@ class Engine:
         cfg, mc = self.config, self.model_config
         self.kv_pool = KVPool(
             num_layers=mc.num_layers,
-            num_pages=cfg.num_pages,
+            num_pages=cfg.num_pages + 1,  # the last page is scratch for padded decode rows
             page_size=cfg.page_size,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
@@ -142,7 +147,9 @@ class Engine:
         shape = WorkspaceShape(cfg.max_step_tokens, cfg.max_batch_size, -(-cfg.max_seq_len // cfg.page_size))
         self.workspace = InferenceWorkspace(shape, cfg.device)
         self.decode_cache = DecodeCache(self.workspace, debug=debug_decode_cache)
-        self.stepper = Stepper(self.model, self.kv_pool, self.workspace, self.decode_cache)
+        self.stepper = Stepper(
+            self.model, self.kv_pool, self.workspace, self.decode_cache, cfg.decode_graphs, scratch_page=cfg.num_pages
+        )
         self.scheduler = Scheduler(
             KVManager(PageAllocator(cfg.num_pages, cfg.page_size)),
             max_batch_size=cfg.max_batch_size,
@@ -282,6 +289,8 @@ class Engine:
             "kv_pages_used": alloc.num_used,
             "decode_cache_hits": self.decode_cache.hits,
             "decode_cache_misses": self.decode_cache.misses,
+            "decode_graph_replays": self.stepper.graphs.replays if self.stepper.graphs else 0,
+            "decode_graphs_captured": self.stepper.graphs.num_graphs if self.stepper.graphs else 0,
         }
 
     def step_log(self, since: float | None = None) -> list[StepInfo]:

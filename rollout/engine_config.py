@@ -10,6 +10,7 @@ import torch
 from workspace import KVPool
 
 from .config import ModelConfig
+from .decode_graphs import MODES, resolve_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Share of free memory the default KV pool may take.
@@ -27,6 +28,7 @@ class EngineConfig:
     num_pages: int  # pages in the KV pool
     max_step_tokens: int  # tokens computed per step (prefill chunk budget)
     seed: int  # seeds the per-request seeds of unseeded requests
+    decode_graphs: str  # "off", "eager" or "cuda" (see rollout.decode_graphs)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -45,8 +47,12 @@ class EngineConfig:
         seed,
         page_size,
         max_step_tokens,
+        decode_graphs="auto",
     ) -> EngineConfig:
         dev = _device(device)
+        graphs = resolve_mode(decode_graphs, dev) if isinstance(decode_graphs, str) else None
+        if graphs is None:
+            raise TypeError(f"decode_graphs must be a str, one of {MODES}, got {type(decode_graphs).__name__}")
         dt = _dtype(dtype)
         _int("max_batch_size", max_batch_size, 1)
         _int("page_size", page_size, 1)
@@ -74,6 +80,7 @@ class EngineConfig:
             num_pages=-(-kv_cache_tokens // page_size),
             max_step_tokens=max_step_tokens,
             seed=seed,
+            decode_graphs=graphs,
         )
 
 

@@ -11,6 +11,7 @@ import torch
 from workspace import DecodeCache, DecodeRows, InferenceWorkspace, KVPool
 
 from .attention import AttentionMetadata, PrefillSpan
+from .decode_graphs import DecodeGraphs, GraphKey
 from .model import Model
 from .plan import ScheduledChunk, StepPlan, StepResult
 from .sampler import MODE_CODES, SamplingBatch, sample
@@ -20,13 +21,30 @@ _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_index", "
 
 
 class Stepper:
-    def __init__(self, model: Model, kv: KVPool, workspace: InferenceWorkspace, decode_cache: DecodeCache) -> None:
+    """`decode_graphs` ("off", "eager" or "cuda", see `rollout.decode_graphs`)
+    serves pure-decode steps from graphs; padding rows then write to
+    `scratch_page`, a KV page no sequence owns."""
+
+    def __init__(
+        self,
+        model: Model,
+        kv: KVPool,
+        workspace: InferenceWorkspace,
+        decode_cache: DecodeCache,
+        decode_graphs: str = "off",
+        scratch_page: int | None = None,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.ws = workspace
         self.cache = decode_cache
         self.page_size = kv.page_size
         self._flags = (False, False, False)  # any_filter, any_greedy, all_greedy of the cached batch
+        self.graphs = None
+        if decode_graphs != "off":
+            if scratch_page is None:
+                raise ValueError("decode graphs need a scratch KV page for their padding rows")
+            self.graphs = DecodeGraphs(decode_graphs, workspace, self._padded_decode, scratch_page, kv.page_size)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
@@ -46,25 +64,49 @@ class Stepper:
             num_logits = self._upload_general(plan.chunks)
             self._flags = _flags(samplers)
         meta = self._attention_metadata(plan.chunks)
-        n_tok = plan.num_tokens
+        width = meta.decode_block_tables.shape[1] if pure_decode else 0
+        key = self.graphs.key(num_rows, width, self._flags) if self.graphs and pure_decode else None
+        if key is not None:
+            self.graphs.run(num_rows, width, key)
+        else:
+            self._run_eager(plan.num_tokens, meta, num_logits, num_rows)
+        out_tokens = self.ws.view("out_tokens", num_rows)
+        result = StepResult(out_tokens.tolist(), self.ws.view("out_logprobs", num_rows).tolist(), plan.version)
+        if pure_decode:
+            self.cache.remember(signature, num_rows)
+        else:
+            self.cache.invalidate()
+        return result
+
+    def _run_eager(self, num_tokens: int, meta: AttentionMetadata, num_logits: int, num_rows: int) -> None:
         logits = self.model(
-            self.ws.view("input_ids", n_tok),
-            self.ws.view("positions", n_tok),
+            self.ws.view("input_ids", num_tokens),
+            self.ws.view("positions", num_tokens),
             meta,
             self.kv,
             self.ws.view("logit_rows", num_logits),
         )
         if num_logits != num_rows:
             logits = logits.index_select(0, self.ws.view("sample_rows", num_rows))
-        out_tokens = self.ws.view("out_tokens", num_rows)
-        out_logprobs = self.ws.view("out_logprobs", num_rows)
-        sample(logits, self._sampling_batch(num_rows), out_tokens, out_logprobs)
-        result = StepResult(out_tokens.tolist(), out_logprobs.tolist(), plan.version)
-        if pure_decode:
-            self.cache.remember(signature, num_rows)
-        else:
-            self.cache.invalidate()
-        return result
+        batch = self._sampling_batch(num_rows, self._flags)
+        sample(logits, batch, self.ws.view("out_tokens", num_rows), self.ws.view("out_logprobs", num_rows))
+
+    def _padded_decode(self, key: GraphKey) -> None:
+        """One decode step over the first `key.rows` workspace rows, as captured in a graph."""
+        n = key.rows
+        meta = AttentionMetadata(
+            slot_mapping=self.ws.view("slot_mapping", n),
+            prefills=[],
+            num_prefill_tokens=0,
+            num_decodes=n,
+            decode_block_tables=self.ws.buffer("block_tables")[:n, : key.pages],
+            decode_context_lens=self.ws.view("context_lens", n),
+        )
+        logits = self.model(
+            self.ws.view("input_ids", n), self.ws.view("positions", n), meta, self.kv, self.ws.view("logit_rows", n)
+        )
+        out_tokens, out_logprobs = self.ws.view("out_tokens", n), self.ws.view("out_logprobs", n)
+        sample(logits, self._sampling_batch(n, key.flags), out_tokens, out_logprobs)
 
     # -- host-built inputs ---------------------------------------------------------------
     def _decode_rows(self, chunks: list[ScheduledChunk]) -> DecodeRows:
@@ -130,8 +172,8 @@ class Stepper:
             decode_context_lens=self.ws.view("context_lens", num_decodes) if num_decodes else None,
         )
 
-    def _sampling_batch(self, n: int) -> SamplingBatch:
-        any_filter, any_greedy, all_greedy = self._flags
+    def _sampling_batch(self, n: int, flags: tuple[bool, bool, bool]) -> SamplingBatch:
+        any_filter, any_greedy, all_greedy = flags
         views = {name: self.ws.view(name, n) for name in _SAMPLING}
         return SamplingBatch(**views, any_filter=any_filter, any_greedy=any_greedy, all_greedy=all_greedy)
 

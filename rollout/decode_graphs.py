@@ -1,0 +1,168 @@
+"""CUDA graphs for the steady-state decode step.
+
+A pure-decode step (every scheduled sequence decodes one token) of `B` rows
+whose block tables are `W` pages wide replays the graph captured for the
+smallest batch bucket >= B and width bucket >= W, over the workspace's fixed
+buffers: the decode cache has already put the step's inputs there, so the
+step costs one replay instead of hundreds of kernel launches. Rows past `B`
+are padding: each writes its key to the pool's scratch page, attends to that
+one key, and its sample is never read, so the real rows compute what the
+eager path computes. Graphs are captured on first use and share one memory
+pool; the sampler's host-side flags are part of the key, as they pick its
+branches.
+
+Modes: "cuda" captures and replays; "eager" runs the same padded, bucketed
+step without capturing, which checks the bookkeeping on any device (the CPU
+tests do) and is the reference when a captured graph is suspected; "off"
+leaves every step to the eager path. "auto" is "cuda" on a CUDA device and
+"off" elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from workspace import InferenceWorkspace
+
+MODES = ("auto", "off", "eager", "cuda")
+
+# Values of the padding rows: a harmless sample that nobody reads.
+_PAD_VALUES = {
+    "input_ids": 0,
+    "positions": 0,
+    "context_lens": 1,
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "seed": 0,
+    "sample_index": 0,
+    "rng_pos": 0,
+    "mode": 0,
+}
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """The mode to run on `device`; raises `ValueError` for an unknown one or "cuda" off CUDA."""
+    if mode not in MODES:
+        raise ValueError(f"decode_graphs must be one of {MODES}, got {mode!r}")
+    if mode == "auto":
+        return "cuda" if device.type == "cuda" else "off"
+    if mode == "cuda" and device.type != "cuda":
+        raise ValueError(f"decode_graphs='cuda' needs a CUDA device, got {device}")
+    return mode
+
+
+@dataclass(frozen=True, slots=True)
+class GraphKey:
+    """What one captured graph computes."""
+
+    rows: int  # batch bucket: rows the graph decodes, padding included
+    pages: int  # block-table width bucket
+    flags: tuple[bool, bool, bool]  # the sampler's (any_filter, any_greedy, all_greedy)
+
+
+def buckets(limit: int) -> tuple[int, ...]:
+    """Powers of two below `limit`, then `limit`: 1, 2, 4, ..., limit."""
+    out, size = [], 1
+    while size < limit:
+        out.append(size)
+        size *= 2
+    return (*out, limit)
+
+
+def bucket_for(n: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest size >= n, or None when n exceeds them all."""
+    return next((s for s in sizes if s >= n), None)
+
+
+class DecodeGraphs:
+    """Picks a step's graph, pads the workspace to it, and replays (or runs) it.
+
+    `forward(key)` runs one padded decode step over the first `key.rows`
+    rows of the workspace, writing `out_tokens` and `out_logprobs`.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        workspace: InferenceWorkspace,
+        forward: Callable[[GraphKey], None],
+        scratch_page: int,
+        page_size: int,
+        max_graphs: int = 128,
+    ) -> None:
+        if mode not in ("eager", "cuda"):
+            raise ValueError(f"DecodeGraphs runs in mode 'eager' or 'cuda', got {mode!r}")
+        self.mode = mode
+        self.ws = workspace
+        self._forward = forward
+        self.scratch_page = scratch_page
+        self.scratch_slot = scratch_page * page_size
+        self.row_buckets = buckets(workspace.shape.max_rows)
+        self.page_buckets = buckets(workspace.shape.max_pages_per_seq)
+        self.max_graphs = max_graphs
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._iota = torch.arange(workspace.shape.max_rows, device=workspace.device)
+        self.replays = 0  # steps served by a captured graph (or its eager stand-in)
+
+    def key(self, rows: int, width: int, flags: tuple[bool, bool, bool]) -> GraphKey | None:
+        """The graph for a step of `rows` rows and `width`-page block tables;
+        None when the step is beyond the buckets or the graph budget."""
+        r, p = bucket_for(rows, self.row_buckets), bucket_for(width, self.page_buckets)
+        if r is None or p is None:
+            return None
+        key = GraphKey(r, p, flags)
+        if self.mode == "cuda" and key not in self._graphs and len(self._graphs) >= self.max_graphs:
+            return None
+        return key
+
+    def run(self, rows: int, width: int, key: GraphKey) -> None:
+        """Pad the workspace from `rows` rows and `width` pages up to `key`, then replay."""
+        self.pad(rows, width, key)
+        if self.mode == "cuda":
+            graph = self._graphs.get(key) or self._capture(key)
+            graph.replay()
+        else:
+            self._forward(key)
+        self.replays += 1
+
+    def pad(self, rows: int, width: int, key: GraphKey) -> None:
+        """Rows `[rows, key.rows)` become padding; block-table columns
+        `[width, key.pages)` of the real rows point at page 0, which their
+        context lengths mask out (as the eager path's padding does)."""
+        tables = self.ws.buffer("block_tables")
+        if width < key.pages:
+            tables[:rows, width : key.pages] = 0
+        if rows == key.rows:
+            return
+        pad = slice(rows, key.rows)
+        for name, value in _PAD_VALUES.items():
+            self.ws.buffer(name)[pad] = value
+        self.ws.buffer("slot_mapping")[pad] = self.scratch_slot
+        self.ws.buffer("logit_rows")[pad] = self._iota[pad]
+        tables[pad, : key.pages] = self.scratch_page
+
+    def _capture(self, key: GraphKey) -> torch.cuda.CUDAGraph:
+        # Warm up on a side stream first (lazy library initialisation must
+        # not happen under capture); both runs compute the same values.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(key)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._forward(key)
+        self._graphs[key] = graph
+        return graph
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)

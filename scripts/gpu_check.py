@@ -1,0 +1,307 @@
+#!/usr/bin/env python
+"""Every GPU check in one call: bf16 parity against transformers on the GPU,
+CUDA graphs against the eager path, `bench-25m` against transformers
+`generate()`, and a Qwen2.5-0.5B-shaped bf16 model at batch 64 and 256
+against transformers and against the floor of a decode step. Prints a table
+and writes JSON.
+
+    python scripts/gpu_check.py [--out runs/gpu_check.json]
+    python scripts/gpu_check.py --smoke   # tiny sizes on the CPU: checks the script, not a GPU
+
+Drives `rollout.Engine` directly (no Ray). Floors of a decode step: memory
+= (weight bytes + KV bytes read) / measured copy bandwidth (bytes read and
+written per second of a device-to-device copy); compute = FLOPs / measured
+GEMM rate in the model's dtype; the floor is the larger of the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout import Engine, SamplingParams  # noqa: E402
+
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+BENCH_25M = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+)
+PARITY = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+)
+SMOKE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+)
+STOP_IDS = list(range(10, 50))
+
+
+def checkpoint(config: dict, dtype: torch.dtype, root: Path, name: str):
+    """A random Qwen2 checkpoint written by transformers; returns (path, model on the device)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=dtype).eval()
+    path = root / name
+    model.save_pretrained(path)
+    return path, model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prompts_of(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(50, vocab, (length,), generator=g).tolist() for _ in range(count)]
+
+
+def parity(root: Path, device: torch.device, config: dict) -> dict:
+    """Teacher-forced bf16 logprobs of the engine's samples against transformers
+    in bf16 on the same device, and CUDA graph replays against the same padded
+    steps run eagerly."""
+    path, hf = checkpoint(config, torch.bfloat16, root, "parity")
+    hf = hf.to(device)
+    prompts = prompts_of(6, 40, config["vocab_size"], seed=3)
+    params = SamplingParams(n=4, max_tokens=48, ignore_eos=True, seed=11, logprobs_mode="raw")
+    kw = dict(device=device, dtype="bfloat16", max_batch_size=32, max_seq_len=256, kv_cache_tokens=8192)
+    graphed = Engine(path, decode_graphs="cuda" if device.type == "cuda" else "eager", **kw)
+    outs = graphed.generate(prompts, params)
+    errors = []
+    for out in outs:
+        for s in out.samples:
+            ids = torch.tensor([out.prompt_token_ids + s.token_ids], device=device)
+            with torch.no_grad():
+                logits = hf(ids).logits[0].float()
+            start = len(out.prompt_token_ids) - 1
+            ref = torch.log_softmax(logits, -1)[start : start + len(s.token_ids)]
+            ref = ref.gather(1, torch.tensor(s.token_ids, device=device)[:, None]).squeeze(1).cpu()
+            errors.extend((ref - torch.tensor(s.logprobs)).abs().tolist())
+    # The same padded steps without capture: replays must reproduce them exactly.
+    eager = Engine(path, decode_graphs="eager", **kw).generate(prompts, params)
+    pairs = [(a, b) for o1, o2 in zip(outs, eager, strict=True) for a, b in zip(o1.samples, o2.samples, strict=True)]
+    same = sum(a.token_ids == b.token_ids for a, b in pairs)
+    return {
+        "bf16_mean_abs_dlogprob": statistics.fmean(errors),
+        "bf16_max_abs_dlogprob": max(errors),
+        "graph_vs_eager_identical_samples": f"{same}/{len(pairs)}",
+        "graphs_captured": graphed.stats()["decode_graphs_captured"],
+        "graph_replays": graphed.stats()["decode_graph_replays"],
+    }
+
+
+def hf_generate(model, prompts, n: int, max_tokens: int, device, stop_ids=None) -> tuple[int, float]:
+    """Real tokens and seconds of transformers `generate()` with the same sampling settings."""
+    ids = torch.tensor(prompts, device=device).repeat_interleave(n, dim=0)
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_tokens, pad_token_id=0)
+    kwargs.update(
+        dict(eos_token_id=stop_ids, output_scores=True, return_dict_in_generate=True)
+        if stop_ids
+        else dict(min_new_tokens=max_tokens)
+    )
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    sync(device)
+    seconds = time.perf_counter() - start
+    seqs = out.sequences if stop_ids else out
+    new = seqs[:, ids.shape[1] :].tolist()
+    if not stop_ids:
+        return sum(len(r) for r in new), seconds
+    stops = set(stop_ids)
+    return sum(next((i + 1 for i, t in enumerate(r) if t in stops), len(r)) for r in new), seconds
+
+
+def engine_generate(engine: Engine, prompts, params) -> tuple[int, float]:
+    sync(engine.config.device)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync(engine.config.device)
+    return sum(len(s.token_ids) for o in outs for s in o.samples), time.perf_counter() - start
+
+
+def bench_25m(root: Path, device: torch.device, config: dict, prompts: int, n: int, max_tokens: int) -> dict:
+    path, hf = checkpoint(config, torch.float32, root, "bench25m")
+    hf = hf.to(device)
+    engine = Engine(path, device=device, max_batch_size=prompts * n, max_seq_len=512, kv_cache_tokens=64 * 1024)
+    batch = prompts_of(prompts, 32, config["vocab_size"])
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, stop_token_ids=STOP_IDS, ignore_eos=True)
+    engine_generate(engine, batch[:2], SamplingParams(n=2, max_tokens=8))  # warm-up (and first graphs)
+    hf_generate(hf, batch[:2], 1, 4, device, STOP_IDS)
+    tokens, seconds = engine_generate(engine, batch, params)
+    hf_tokens, hf_seconds = hf_generate(hf, batch, n, max_tokens, device, STOP_IDS)
+    return {
+        "engine_tokens_per_s": tokens / seconds,
+        "transformers_tokens_per_s": hf_tokens / hf_seconds,
+        "speedup": (tokens / seconds) / (hf_tokens / hf_seconds),
+    }
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes read plus written per second by a device-to-device copy (best of 5)."""
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def gemm_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def decode_floor(config: dict, batch: int, context: float, bandwidth: float, flops_rate: float) -> dict:
+    """Seconds of one decode step of `batch` rows at mean `context` tokens: memory and compute floors."""
+    h, inter, layers, v = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    head = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head
+    dense = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + v * h
+    weight_bytes = 2 * (dense + (0 if config["tie_word_embeddings"] else v * h))
+    kv_bytes = batch * context * layers * 2 * kv * 2
+    flops = batch * (2 * dense + layers * 4 * context * h)
+    memory, compute = (weight_bytes + kv_bytes) / bandwidth, flops / flops_rate
+    return {"memory_s": memory, "compute_s": compute, "floor_s": max(memory, compute)}
+
+
+def qwen_05b(root: Path, device: torch.device, config: dict, batches: tuple[int, ...], max_tokens: int) -> dict:
+    path, hf = checkpoint(config, torch.bfloat16, root, "qwen05b")
+    hf = hf.to(device)
+    is_cuda = device.type == "cuda"
+    bandwidth = copy_bandwidth(device, 2**30 if is_cuda else 2**24)
+    rate = gemm_rate(device, torch.bfloat16, 8192 if is_cuda else 256)
+    out: dict = {"copy_bandwidth_gb_s": bandwidth / 1e9, "bf16_gemm_tflop_s": rate / 1e12}
+    engine = Engine(path, device=device, dtype="bfloat16", max_batch_size=max(batches), max_seq_len=512)
+    for batch in batches:
+        prompts = prompts_of(batch // 8, 32, config["vocab_size"], seed=batch)
+        params = SamplingParams(n=8, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+        engine_generate(engine, prompts, params)  # warm-up: captures this batch's graphs
+        since = time.time()
+        tokens, seconds = engine_generate(engine, prompts, params)
+        steps = [s.seconds for s in engine.step_log(since) if s.num_tokens == batch]  # full-batch decode steps
+        step = statistics.median(steps)
+        floor = decode_floor(config, batch, 32 + max_tokens / 2, bandwidth, rate)
+        hf_tokens, hf_seconds = hf_generate(hf, prompts, 8, max_tokens, device)
+        out[f"batch_{batch}"] = {
+            "engine_tokens_per_s": tokens / seconds,
+            "transformers_tokens_per_s": hf_tokens / hf_seconds,
+            "speedup": (tokens / seconds) / (hf_tokens / hf_seconds),
+            "decode_step_s": step,
+            **floor,
+            "step_over_floor": step / floor["floor_s"],
+        }
+    out["graphs_captured"] = engine.stats()["decode_graphs_captured"]
+    return out
+
+
+def run(args) -> dict:
+    smoke = args.smoke
+    device = torch.device("cpu" if smoke else "cuda")
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --smoke to check the script on the CPU")
+    root = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    start = time.perf_counter()
+    results["parity"] = parity(root, device, SMOKE if smoke else PARITY)
+    if smoke:
+        results["bench_25m"] = bench_25m(root, device, SMOKE, prompts=2, n=8, max_tokens=16)
+        results["qwen2.5_0.5b"] = qwen_05b(root, device, SMOKE, batches=(16, 32), max_tokens=16)
+    else:
+        results["bench_25m"] = bench_25m(root, device, BENCH_25M, prompts=16, n=8, max_tokens=128)
+        results["qwen2.5_0.5b"] = qwen_05b(root, device, QWEN25_05B, batches=(64, 256), max_tokens=128)
+    results["seconds"] = time.perf_counter() - start
+    return results
+
+
+def print_table(r: dict) -> None:
+    p, b, q = r["parity"], r["bench_25m"], r["qwen2.5_0.5b"]
+    print(f"device: {r['device']}   ({r['seconds']:.0f} s)")
+    print(
+        f"bf16 parity vs transformers: mean |dlogprob| {p['bf16_mean_abs_dlogprob']:.4f}, "
+        f"max {p['bf16_max_abs_dlogprob']:.4f}; graphs vs eager: {p['graph_vs_eager_identical_samples']} "
+        f"identical samples, {p['graphs_captured']} graphs, {p['graph_replays']} replays"
+    )
+    header = ("engine tok/s", 14), ("HF tok/s", 12), ("speedup", 9), ("step ms", 9), ("floor ms", 10), ("x floor", 9)
+    print(f"{'workload':26}" + "".join(f"{name:>{width}}" for name, width in header))
+    print(
+        f"{'bench-25m (fp32)':26}{b['engine_tokens_per_s']:14.0f}{b['transformers_tokens_per_s']:12.0f}"
+        f"{b['speedup']:9.2f}"
+    )
+    for name, row in q.items():
+        if name.startswith("batch_"):
+            print(
+                f"{'qwen2.5-0.5b bf16 ' + name:26}{row['engine_tokens_per_s']:14.0f}"
+                f"{row['transformers_tokens_per_s']:12.0f}{row['speedup']:9.2f}{row['decode_step_s'] * 1e3:9.2f}"
+                f"{row['floor_s'] * 1e3:10.2f}{row['step_over_floor']:9.2f}"
+            )
+    print(f"copy bandwidth {q['copy_bandwidth_gb_s']:.0f} GB/s, bf16 GEMM {q['bf16_gemm_tflop_s']:.1f} TFLOP/s")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/gpu_check.json"))
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script only")
+    args = parser.parse_args(argv)
+    results = run(args)
+    print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

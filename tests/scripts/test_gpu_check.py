@@ -1,0 +1,45 @@
+"""scripts/gpu_check.py in its CPU smoke mode: every check runs end to end on
+tiny models and reports sane values (the GPU figures come from a GPU run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_floor_by_hand():
+    gpu_check = _load()
+    # SMOKE: hidden 64, intermediate 128, 2 layers, vocab 256, 4 heads of 16, 2 KV heads, tied.
+    # Dense params: 2 * (64*(64+2*32) + 64*64 + 3*64*128) + 256*64 = 90112 -> 180224 bf16 bytes.
+    # KV read: 2 rows * 10 tokens * 2 layers * (K and V) * 32 * 2 bytes = 5120 bytes.
+    # FLOPs: 2 rows * (2 * 90112 + 2 layers * 4 * 10 * 64) = 370688.
+    floor = gpu_check.decode_floor(gpu_check.SMOKE, batch=2, context=10, bandwidth=1e9, flops_rate=1e9)
+    assert floor["memory_s"] == (180224 + 5120) / 1e9
+    assert floor["compute_s"] == 370688 / 1e9
+    assert floor["floor_s"] == floor["compute_s"]
+
+
+def test_gpu_check_smoke_runs_every_check(tmp_path, capsys):
+    gpu_check = _load()
+    out = tmp_path / "gpu_check.json"
+    results = gpu_check.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    parity = results["parity"]
+    assert parity["bf16_max_abs_dlogprob"] < 0.05  # bf16 against transformers in bf16
+    done, total = parity["graph_vs_eager_identical_samples"].split("/")
+    assert done == total and int(total) == 24 and parity["graph_replays"] > 0
+    assert results["bench_25m"]["engine_tokens_per_s"] > 0 and results["bench_25m"]["transformers_tokens_per_s"] > 0
+    for batch in (16, 32):
+        row = results["qwen2.5_0.5b"][f"batch_{batch}"]
+        assert row["decode_step_s"] > 0 and row["floor_s"] > 0 and row["speedup"] > 0
+    assert "qwen2.5-0.5b bf16 batch_32" in capsys.readouterr().out
