@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,6 +64,25 @@ def check_bucket(bucket: np.ndarray, entries: tuple[TensorEntry, ...], checksums
             raise ValueError(f"state_dict[{name!r}] holds NaN or inf values")
 
 
+def touch_pages(bucket: np.ndarray, page: int = 4096) -> None:
+    """Read one byte per memory page of `bucket`, so the page-table work of
+    a fresh object-store mapping happens here rather than in the first
+    decode step after a commit (seen as a doubled generation pause)."""
+    if bucket.nbytes:
+        int(bucket[::page].max())
+
+
+def _checked_share(share) -> tuple[int, int]:
+    if (
+        not isinstance(share, tuple)
+        or len(share) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in share)
+        or not 0 <= share[0] < share[1]
+    ):
+        raise ValueError(f"share must be (part, parts) with 0 <= part < parts, got {share!r}")
+    return share
+
+
 class RolloutWorker:
     """Owns one `Engine`. With `manifest`, `version` and `buckets` (each
     bucket as its segments), it loads those published weights before
@@ -86,6 +106,7 @@ class RolloutWorker:
         self._lock = threading.Lock()
         self._faults: dict[str, str] = {}
         self._buckets_copied = 0  # buckets whose segments arrived apart and were copied together
+        self._finished: deque[str] = deque(maxlen=64)  # push ids prepared or aborted: late buckets are dropped
         if manifest is not None:
             for index, segments in enumerate(buckets):
                 self.stage_bucket("published", index, [e for e in manifest.entries if e.bucket == index], segments)
@@ -129,10 +150,16 @@ class RolloutWorker:
         of them one share of every bucket; `checksums=False` where that store
         is the trainer's own (the bytes crossed no network). Returns the
         bucket's size."""
+        part, parts = _checked_share(share)
         bucket, copied = assemble(segments)
-        part, parts = share
         check_bucket(bucket, verification_shares(entries, parts)[part], checksums)
+        if self.engine.config.device.type == "cpu":
+            touch_pages(bucket)  # the engine will adopt these bytes: map them now, not in its next step
         with self._lock:
+            if push_id in self._finished:
+                return bucket.nbytes  # a late bucket of a push that was aborted meanwhile
+            for stale in [k for k in self._incoming if k != push_id]:
+                del self._incoming[stale]  # pushes run one at a time: an older one is over
             self._incoming.setdefault(push_id, {})[index] = (tuple(entries), bucket)
             self._buckets_copied += copied
         return bucket.nbytes
@@ -146,6 +173,7 @@ class RolloutWorker:
         install."""
         with self._lock:
             incoming = self._incoming.pop(push_id, {})
+            self._finished.append(push_id)
         self._raise_injected("prepare_push")
         buckets = []
         for index, size in enumerate(manifest.bucket_nbytes):
@@ -157,7 +185,7 @@ class RolloutWorker:
             for _, part, parts, checksums in (v for v in verify if v[0] == index):
                 check_bucket(bucket, verification_shares(entries, parts)[part], checksums)
             buckets.append(bucket)
-        staged = self.engine.prepare_weights(unpack(buckets, manifest), immutable=True, verified_finite=True)
+        staged = self.engine.prepare_weights(unpack(buckets, manifest), adopt=True, verified_finite=True)
         with self._lock:
             self._prepared[push_id] = (staged, tuple(buckets))  # the buckets stay alive until commit
         return staged.nbytes
@@ -170,6 +198,7 @@ class RolloutWorker:
 
     def abort_push(self, push_id: str) -> None:
         with self._lock:
+            self._finished.append(push_id)
             self._incoming.pop(push_id, None)
             entry = self._prepared.pop(push_id, None)
         if entry is not None:

@@ -160,6 +160,7 @@ class RolloutCluster(GenerationDispatch, WeightPushes):
                 return
             with self._cond:
                 slot.handle, slot.pid, slot.state, slot.load = handle, desc["pid"], "alive", 0
+                slot.node = bundle_nodes(self._pg)[slot.index]  # a lost node's bundle moves elsewhere
                 slot.generation += 1
                 self._cond.notify_all()
 

@@ -6,20 +6,21 @@ smallest batch bucket >= B and width bucket >= W, over the workspace's fixed
 buffers: the decode cache has already put the step's inputs there, so the
 step costs one replay instead of hundreds of kernel launches. Rows past `B`
 are padding: each writes its key to the pool's scratch page, attends to that
-one key, and its sample is never read, so the real rows compute what the
-eager path computes. Graphs are captured on first use and share one memory
-pool; the sampler's host-side flags are part of the key, as they pick its
-branches.
+one key, and its sample is never read. Real rows compute what the eager path
+computes up to floating-point rounding (a padded batch can pick other GEMM
+kernels). Graphs are captured on first use and share one memory pool; the
+sampler's host-side flags are part of the key, as they pick its branches.
 
 Modes: "cuda" captures and replays; "eager" runs the same padded, bucketed
 step without capturing, which checks the bookkeeping on any device (the CPU
-tests do) and is the reference when a captured graph is suspected; "off"
-leaves every step to the eager path. "auto" is "cuda" on a CUDA device and
-"off" elsewhere.
+tests do) and is the bit-exact reference for a replay; "off" (the default
+until a GPU run has confirmed the captured path) leaves every step to the
+eager path.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ import torch
 
 from workspace import InferenceWorkspace
 
-MODES = ("auto", "off", "eager", "cuda")
+MODES = ("off", "eager", "cuda")
 
 # Values of the padding rows: a harmless sample that nobody reads.
 _PAD_VALUES = {
@@ -46,11 +47,9 @@ _PAD_VALUES = {
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
-    """The mode to run on `device`; raises `ValueError` for an unknown one or "cuda" off CUDA."""
+    """`mode` checked for `device`; raises `ValueError` for an unknown one or "cuda" off CUDA."""
     if mode not in MODES:
         raise ValueError(f"decode_graphs must be one of {MODES}, got {mode!r}")
-    if mode == "auto":
-        return "cuda" if device.type == "cuda" else "off"
     if mode == "cuda" and device.type != "cuda":
         raise ValueError(f"decode_graphs='cuda' needs a CUDA device, got {device}")
     return mode
@@ -106,6 +105,7 @@ class DecodeGraphs:
         self.page_buckets = buckets(workspace.shape.max_pages_per_seq)
         self.max_graphs = max_graphs
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._failed: dict[GraphKey, str] = {}  # keys whose capture failed: served eagerly, with why
         self._pool = None
         self._iota = torch.arange(workspace.shape.max_rows, device=workspace.device)
         self.replays = 0  # steps served by a captured graph (or its eager stand-in)
@@ -117,6 +117,8 @@ class DecodeGraphs:
         if r is None or p is None:
             return None
         key = GraphKey(r, p, flags)
+        if key in self._failed:
+            return None
         if self.mode == "cuda" and key not in self._graphs and len(self._graphs) >= self.max_graphs:
             return None
         return key
@@ -124,11 +126,11 @@ class DecodeGraphs:
     def run(self, rows: int, width: int, key: GraphKey) -> None:
         """Pad the workspace from `rows` rows and `width` pages up to `key`, then replay."""
         self.pad(rows, width, key)
-        if self.mode == "cuda":
-            graph = self._graphs.get(key) or self._capture(key)
+        graph = self._graphs.get(key) or (self._capture(key) if self.mode == "cuda" else None)
+        if graph is not None:
             graph.replay()
         else:
-            self._forward(key)
+            self._forward(key)  # "eager", or a capture that failed: the same padded step, uncaptured
         self.replays += 1
 
     def pad(self, rows: int, width: int, key: GraphKey) -> None:
@@ -147,7 +149,13 @@ class DecodeGraphs:
         self.ws.buffer("logit_rows")[pad] = self._iota[pad]
         tables[pad, : key.pages] = self.scratch_page
 
-    def _capture(self, key: GraphKey) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: GraphKey) -> torch.cuda.CUDAGraph | None:
+        """Capture `key`'s graph; None (and that key stays eager) if capture fails.
+
+        Other threads may use the device meanwhile (a weight update stages
+        on a control thread): "thread_local" capture only forbids unsafe
+        calls on this thread, where the global default would fail them all.
+        """
         # Warm up on a side stream first (lazy library initialisation must
         # not happen under capture); both runs compute the same values.
         side = torch.cuda.Stream()
@@ -158,10 +166,19 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._forward(key)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._forward(key)
+        except RuntimeError as e:
+            self._failed[key] = str(e)
+            warnings.warn(f"decode graph {key} could not be captured, served eagerly: {e}", stacklevel=2)
+            return None
         self._graphs[key] = graph
         return graph
+
+    @property
+    def capture_failures(self) -> dict[GraphKey, str]:
+        return dict(self._failed)
 
     @property
     def num_graphs(self) -> int:

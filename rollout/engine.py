@@ -82,10 +82,9 @@ class Engine:
     raise `ValueError`/`TypeError` naming the field before anything is built.
     Extra keywords: `page_size` (KV tokens per page), `max_step_tokens`
     (tokens computed per step), `debug_decode_cache` (check the fast decode
-    path against the host path every step), `decode_graphs` ("auto": CUDA
-    graphs for decode steps on a CUDA device; "off"; "eager": the padded
-    graph-shaped steps without capture, see `rollout.decode_graphs`),
-    `step_callback`.
+    path against the host path every step), `decode_graphs` ("off"; "cuda":
+    decode steps replayed from CUDA graphs; "eager": the same padded steps
+    without capture, see `rollout.decode_graphs`), `step_callback`.
     """
 
     def __init__(
@@ -101,7 +100,7 @@ class Engine:
         page_size: int = 16,
         max_step_tokens: int | None = None,
         debug_decode_cache: bool = False,
-        decode_graphs: str = "auto",
+        decode_graphs: str = "off",
         step_callback: Callable[[StepInfo], None] | None = None,
     ) -> None:
         self.model_config = ModelConfig.from_dir(model_path)
@@ -222,12 +221,12 @@ class Engine:
             return self.commit_weights(self.prepare_weights(state_dict), version, inflight)
 
     def prepare_weights(
-        self, state_dict: Mapping[str, torch.Tensor], immutable: bool = False, verified_finite: bool = False
+        self, state_dict: Mapping[str, torch.Tensor], adopt: bool = False, verified_finite: bool = False
     ) -> StagedUpdate:
         """Phase one of an update: validate and stage, changing nothing live.
 
         Raises `TypeError`/`ValueError` naming the first bad entry. With
-        `immutable=True` the caller promises the tensors never change while
+        `adopt=True` the caller promises the tensors never change while
         the engine uses them: they are committed straight from the source,
         and a host engine adopts them as its weights (no copy) until a later
         update replaces them. `verified_finite=True`: the caller has checked
@@ -236,7 +235,7 @@ class Engine:
         self._check_open()
         with self._update_lock:
             items = self._updater.validate(state_dict, check_finite=not verified_finite)
-            return self._updater.stage(items, immutable=immutable)
+            return self._updater.stage(items, adopt=adopt)
 
     def discard_weights(self, staged: StagedUpdate) -> None:
         """Drop a prepared update that will not be committed."""
@@ -291,6 +290,7 @@ class Engine:
             "decode_cache_misses": self.decode_cache.misses,
             "decode_graph_replays": self.stepper.graphs.replays if self.stepper.graphs else 0,
             "decode_graphs_captured": self.stepper.graphs.num_graphs if self.stepper.graphs else 0,
+            "decode_graph_capture_failures": len(self.stepper.graphs.capture_failures) if self.stepper.graphs else 0,
         }
 
     def step_log(self, since: float | None = None) -> list[StepInfo]:

@@ -47,7 +47,7 @@ class EngineConfig:
         seed,
         page_size,
         max_step_tokens,
-        decode_graphs="auto",
+        decode_graphs="off",
     ) -> EngineConfig:
         dev = _device(device)
         graphs = resolve_mode(decode_graphs, dev) if isinstance(decode_graphs, str) else None

@@ -20,11 +20,11 @@ from .wire import Manifest
 class _Shipment:
     """A push whose buckets are in the object store, on their way to the actors."""
 
-    version: int
-    push_id: str
+    version: int  # the cluster-wide version it will commit as
+    push_id: str  # names the push in every actor call
     slots: list[ActorSlot]  # the actors alive when it started
-    manifest: Manifest
-    refs: tuple  # object refs of the buckets
+    manifest: Manifest  # every tensor's place and checksum
+    refs: tuple  # object refs of the buckets, kept alive until published or dropped
     calls: list  # (slot, generation, ref) of every `stage_bucket` call
     roles: list[tuple[int, int, int, bool]]  # per call: (bucket, part, parts, checksums), what that actor verifies
 
@@ -43,24 +43,36 @@ class WeightPushes:
 
         Two-phase: every live actor fetches, verifies and stages the push;
         if any rejects it, none commits it and the actor's error is raised
-        here. `wait=False` returns a `PushHandle` as soon as the weights are
-        in the object store: from then on the caller may change its tensors
-        (train the next step) while the actors verify and commit.
+        here. Pushes run one at a time: a call first waits for the previous
+        push to finish. `wait=False` returns a `PushHandle` as soon as the
+        weights are in the object store: from then on the caller may change
+        its tensors (train the next step) while the actors verify and commit.
         """
         self._check_open()
         check_inflight(inflight)
         self._versions.check_next(version)
         self._push_lock.acquire()  # released when the push ends, by whichever thread ends it
+        with self._cond:
+            slots = [s for s in self._slots if s.state == "alive"]
+        push_id = uuid.uuid4().hex
         try:
-            shipment = self._ship(state_dict, version)
+            self._check_open()  # a shutdown may have finished while this call waited for the lock
+            shipment = self._ship(state_dict, version, push_id, slots)
+            if not wait:
+                return PushHandle(lambda: self._finish(shipment, inflight))
         except BaseException:
-            self._push_lock.release()
+            try:
+                if not self._closed:
+                    self._abort(push_id, slots)  # buckets already sent must not stay staged on the actors
+            finally:
+                self._push_lock.release()
             raise
-        if not wait:
-            return PushHandle(lambda: self._finish(shipment, inflight))
         return self._finish(shipment, inflight)
 
-    def _ship(self, state_dict, requested: int | None) -> _Shipment:
+    def _abort(self, push_id: str, slots: list[ActorSlot]) -> None:
+        self._call_all(slots, lambda h: control(h, "abort_push").remote(push_id), "aborting a weight push")
+
+    def _ship(self, state_dict, requested: int | None, push_id: str, slots: list[ActorSlot]) -> _Shipment:
         """Pack and put the buckets one by one, sending each to the actors as
         it lands: actors receive bucket i while bucket i+1 is packed. Actors
         on one node share its object store, so each verifies one share of
@@ -69,9 +81,6 @@ class WeightPushes:
         only scan for NaN/inf (that saved 8 ms of 87 on a 485 MiB push)."""
         ray = ray_module()
         version = self._versions.check_next(requested)
-        push_id = uuid.uuid4().hex
-        with self._cond:
-            slots = [s for s in self._slots if s.state == "alive"]
         here = ray.get_runtime_context().get_node_id()
         by_node: dict[str, list[ActorSlot]] = {}
         for slot in slots:
@@ -116,11 +125,7 @@ class WeightPushes:
             ready = [s for s, r in results if not isinstance(r, BaseException)]
             rejected = [(s, r) for s, r in results if isinstance(r, BaseException) and not isinstance(r, ActorGone)]
             if rejected:
-                self._call_all(
-                    shipment.slots,
-                    lambda h: control(h, "abort_push").remote(push_id),
-                    f"aborting weight push v{version}",
-                )
+                self._abort(push_id, shipment.slots)
                 raise _rejection(*rejected[0], version)
             self._published = Published(shipment.manifest, version, shipment.refs)
             self._commit(ready, push_id, version, inflight)

@@ -1,17 +1,17 @@
 """Validating and staging policy weights before a commit.
 
-`WeightUpdater.prepare` checks a state dict (checkpoint names, shapes,
-dtypes, finiteness) and stages it next to the live parameters, all without
-touching the live weights; `commit` then installs it under the guard:
+`WeightUpdater.validate` checks a state dict (checkpoint names, shapes,
+dtypes, finiteness) and `stage` puts it next to the live parameters, all
+without touching the live weights; `commit` then installs it under the guard:
 
 - On the host nothing holds parameter pointers, so a commit rebinds each
   touched parameter to its new storage: no copy under the guard. The old
-  storage becomes the next update's staging buffer, and immutable sources
-  (object-store buckets) are adopted as they are, fused q/k/v and gate/up
-  included when the parts lie side by side: a push then copies nothing on
-  the actor.
+  storage becomes the next update's staging buffer, and sources the caller
+  lets the engine adopt (object-store buckets) are used as they are, fused
+  q/k/v and gate/up included when the parts lie side by side: a push then
+  copies nothing on the actor.
 - On a device, captured graphs hold parameter pointers, so a commit copies
-  staging (or an immutable source already on the device) into the live
+  staging (or an adopted source already on the device) into the live
   parameters: one device copy per touched parameter.
 
 Staging buffers are allocated on first use and reused by every later update.
@@ -34,7 +34,7 @@ class StagedUpdate:
     copies: list[tuple[torch.Tensor, torch.Tensor]]  # (live destination, source) copied at commit (device engines)
     swaps: dict[str, torch.Tensor]  # parameter name -> its new storage, rebound at commit (host engines)
     staging: dict[str, torch.Tensor]  # parameter name -> staging buffer this update holds (returned when done)
-    adopted: frozenset[str]  # swapped parameters that view the caller's immutable memory
+    adopted: frozenset[str]  # swapped parameters that view memory the caller lets the engine keep
     num_tensors: int  # checkpoint tensors in the update
     nbytes: int  # bytes the commit installs
     done: bool = field(default=False)  # committed or discarded
@@ -96,11 +96,11 @@ class WeightUpdater:
                     "but this model ties them (tie_word_embeddings=true)"
                 )
 
-    def stage(self, items: list[tuple[WeightSlot, torch.Tensor]], immutable: bool = False) -> StagedUpdate:
+    def stage(self, items: list[tuple[WeightSlot, torch.Tensor]], adopt: bool = False) -> StagedUpdate:
         """Prepare what the commit installs; live weights are untouched.
 
         By default every tensor is copied into staging buffers, so the caller
-        may reuse its tensors as soon as this returns. With `immutable=True`
+        may reuse its tensors as soon as this returns. With `adopt=True`
         the caller promises the tensors never change while the engine uses
         them: sources on the engine's device and dtype are then installed
         without a staging copy (on the host, adopted as the live weights
@@ -113,13 +113,13 @@ class WeightUpdater:
         adopted = set()
         for pname, parts in by_param.items():
             live = self._live[pname]
-            source = _whole(live, parts) if immutable else None
+            source = _whole(live, parts) if adopt else None
             if source is not None and self.rebind:
                 staged.swaps[pname] = source
                 adopted.add(pname)
             elif source is not None:
                 staged.copies.append((live, source))
-            elif immutable and not self.rebind and all(_same_kind(t, live) for t in parts.values()):
+            elif adopt and not self.rebind and all(_same_kind(t, live) for t in parts.values()):
                 staged.copies.extend((live.narrow(0, start, rows), t) for (start, rows), t in parts.items())
             else:
                 buffer = staged.staging[pname] = self._stage_param(pname, parts)
@@ -146,6 +146,7 @@ class WeightUpdater:
         """Install `staged` in the live parameters; call under the guard."""
         if staged.done:
             raise RuntimeError("this weight update was committed or discarded already")
+        staged.done = True  # from here on its buffers belong to the live weights or the spare pool
         with torch.no_grad():
             for dst, src in staged.copies:
                 dst.copy_(src)
@@ -159,7 +160,6 @@ class WeightUpdater:
         for pname, buffer in staged.staging.items():
             if pname not in staged.swaps:
                 self._spare.setdefault(pname, buffer)
-        staged.done = True
 
     def release(self, staged: StagedUpdate) -> None:
         """`staged` will not be committed: its staging buffers become free again."""

@@ -25,6 +25,7 @@ then adopt them as one fused parameter without a copy.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -239,7 +240,9 @@ def _close(segments: list[_Segment]) -> None:
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    raw = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    raw.flags.writeable = False  # a view of the trainer's weights: nothing on the way may write it
+    return raw
 
 
 def assemble(segments: Sequence[np.ndarray]) -> tuple[np.ndarray, bool]:
@@ -282,6 +285,8 @@ def verification_shares(entries: Sequence[TensorEntry], parts: int) -> list[tupl
     first, each to the lightest share), in bucket order inside a share. The
     split is the same on every process, so actors that share an object
     store can each verify one share of a bucket."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parts must be an int >= 1, got {parts!r}")
     loads, shares = [0] * parts, [[] for _ in range(parts)]
     for e in sorted(entries, key=lambda e: (-e.nbytes, e.offset)):
         lightest = loads.index(min(loads))
@@ -355,11 +360,11 @@ def unpack_entries(bucket: np.ndarray, entries: Sequence[TensorEntry]) -> dict[s
 def _frombuffer(raw: np.ndarray) -> torch.Tensor:
     if raw.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    if raw.flags.writeable:
-        return torch.from_numpy(raw)
-    # Object-store buffers are read-only; the engine only ever reads them.
-    import warnings
+    return torch.from_numpy(raw)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(raw)
+
+# Object-store buckets are read-only and torch warns when it views them; the
+# engine only ever reads them. One targeted filter, set once: a
+# catch_warnings() block around each view is not thread-safe, and actors
+# receive buckets on several threads.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)

@@ -70,3 +70,18 @@ def test_corrupt_segments_fail_their_checksum_and_good_pushes_commit(qwen2):
     model, p = worker.engine.model, "model.layers.0.self_attn."
     assert torch.equal(model.norm, new["model.norm.weight"])
     assert torch.equal(model.layers[0].qkv, torch.cat([new[p + f"{x}_proj.weight"] for x in "qkv"]))
+
+
+def test_buckets_of_an_abandoned_push_do_not_linger(qwen2):
+    worker = RolloutWorker(qwen2.path, ENGINE)
+    packed, manifest = _packed(qwen2.hf.state_dict())
+    worker.stage_bucket("old", 0, packed[0].entries, list(packed[0].segments))
+    for p in packed:  # a newer push: the older one is over, its buckets are dropped
+        worker.stage_bucket("new", p.index, p.entries, list(p.segments))
+    with pytest.raises(ValueError, match="did not arrive intact"):
+        worker.prepare_push("old", manifest)
+    worker.abort_push("gone")
+    worker.stage_bucket("gone", 0, packed[0].entries, list(packed[0].segments))  # late: ignored
+    assert worker.prepare_push("new", manifest) > 0  # still whole
+    with pytest.raises(ValueError, match=r"share must be \(part, parts\)"):
+        worker.stage_bucket("new", 0, packed[0].entries, list(packed[0].segments), share=(2, 2))

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import ray
 import torch
 
 import rollout
@@ -179,6 +180,24 @@ def test_a_background_push_has_the_weights_when_it_returns(cluster, policies):
     for tensor in state.values():  # the trainer's next step overwrites its tensors at once
         tensor.fill_(float("nan"))
     assert handle.result(120) == 1
+    assert_per_version(cluster.generate(PROMPTS, PARAMS), policies)
+
+
+def test_a_push_that_fails_while_shipping_is_aborted_and_the_next_one_works(cluster, policies, monkeypatch):
+    real_put, puts = ray.put, []
+
+    def failing_put(value, **kwargs):
+        puts.append(1)
+        if len(puts) == 2:  # the first bucket has reached the actors already
+            raise MemoryError("object store full")
+        return real_put(value, **kwargs)
+
+    monkeypatch.setattr(ray, "put", failing_put)
+    with pytest.raises(MemoryError, match="object store full"):
+        cluster.push_weights(policies[1].state_dict())
+    monkeypatch.setattr(ray, "put", real_put)
+    assert cluster.policy_version() == 0 and {h["version"] for h in cluster.health()} == {0}
+    assert cluster.push_weights(policies[1].state_dict()) == 1
     assert_per_version(cluster.generate(PROMPTS, PARAMS), policies)
 
 

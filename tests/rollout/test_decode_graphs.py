@@ -30,11 +30,11 @@ def test_buckets_are_powers_of_two_capped_by_the_limit():
 
 def test_modes_resolve_per_device():
     cpu = torch.device("cpu")
-    assert resolve_mode("auto", cpu) == "off" and resolve_mode("eager", cpu) == "eager"
+    assert resolve_mode("off", cpu) == "off" and resolve_mode("eager", cpu) == "eager"
     with pytest.raises(ValueError, match="needs a CUDA device"):
         resolve_mode("cuda", cpu)
-    with pytest.raises(ValueError, match=r"one of \('auto', 'off', 'eager', 'cuda'\)"):
-        resolve_mode("always", cpu)
+    with pytest.raises(ValueError, match=r"one of \('off', 'eager', 'cuda'\)"):
+        resolve_mode("auto", cpu)
 
 
 def test_bad_decode_graphs_argument_is_refused(qwen2):
@@ -94,7 +94,7 @@ def test_padded_graph_steps_match_the_eager_path_and_transformers(qwen2):
             torch.testing.assert_close(torch.tensor(s.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
 
 
-def test_graph_steps_serve_a_weight_update_in_place(qwen2):
+def test_graph_steps_serve_weight_updates(qwen2):
     graphed = make_engine(qwen2.path, max_batch_size=12, decode_graphs="eager")
     before = _flatten(_run(graphed))
     state = {k: v * 1.5 for k, v in qwen2.hf.state_dict().items() if "mlp" in k}
@@ -109,11 +109,15 @@ def test_graph_steps_serve_a_weight_update_in_place(qwen2):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_match_the_eager_path_on_the_gpu(qwen2):  # pragma: no cover - GPU machines only
     kwargs = dict(device="cuda", max_batch_size=12)
-    eager = make_engine(qwen2.path, decode_graphs="eager", **kwargs)  # the same padded steps, not captured
+    padded = make_engine(qwen2.path, decode_graphs="eager", **kwargs)  # the same padded steps, not captured
+    plain = make_engine(qwen2.path, decode_graphs="off", **kwargs)
     graphed = make_engine(qwen2.path, decode_graphs="cuda", **kwargs)
-    _assert_same(_flatten(_run(graphed)), _flatten(_run(eager)))
-    assert graphed.stats()["decode_graphs_captured"] > 0
+    runs = _flatten(_run(graphed))
+    _assert_same(runs, _flatten(_run(padded)), atol=0)
+    _assert_same(runs, _flatten(_run(plain)), atol=1e-4)  # other GEMM shapes: rounding only
+    stats = graphed.stats()
+    assert stats["decode_graphs_captured"] > 0 and stats["decode_graph_capture_failures"] == 0
     state = {k: v * 1.5 for k, v in qwen2.hf.state_dict().items() if "mlp" in k}
     graphed.update_weights(state)  # graphs read the live parameters, updated in place
-    eager.update_weights(state)
-    _assert_same(_flatten(_run(graphed)), _flatten(_run(eager)))
+    plain.update_weights(state)
+    _assert_same(_flatten(_run(graphed)), _flatten(_run(plain)), atol=1e-4)

@@ -278,10 +278,10 @@ def _store_buckets(state):
     return buckets, unpack(buckets, manifest)
 
 
-def test_immutable_host_update_adopts_the_buckets_without_a_copy(qwen2, hf_b):
+def test_adopting_host_update_takes_the_buckets_without_a_copy(qwen2, hf_b):
     engine = make_engine(qwen2.path)
     buckets, state = _store_buckets(hf_b.state_dict())
-    engine.commit_weights(engine.prepare_weights(state, immutable=True))
+    engine.commit_weights(engine.prepare_weights(state, adopt=True))
     layer, p = engine.model.layers[1], "model.layers.1."
     assert layer.qkv.data_ptr() == state[p + "self_attn.q_proj.weight"].data_ptr()  # q/k/v adopted as one view
     assert layer.qkv_bias.data_ptr() == state[p + "self_attn.q_proj.bias"].data_ptr()
@@ -300,10 +300,10 @@ def test_immutable_host_update_adopts_the_buckets_without_a_copy(qwen2, hf_b):
     _assert_matches(expected, engine.generate(PROMPTS, PARAMS), version=2)
 
 
-def test_immutable_sources_that_do_not_lie_side_by_side_are_staged(qwen2, hf_b):
+def test_adopted_sources_that_do_not_lie_side_by_side_are_staged(qwen2, hf_b):
     engine = make_engine(qwen2.path)
     state = {k: v.clone() for k, v in hf_b.state_dict().items()}  # separate allocations
-    engine.commit_weights(engine.prepare_weights(state, immutable=True))
+    engine.commit_weights(engine.prepare_weights(state, adopt=True))
     qkv = engine.model.layers[0].qkv
     assert qkv.data_ptr() != state["model.layers.0.self_attn.q_proj.weight"].data_ptr()
     assert engine.model.norm.data_ptr() == state["model.norm.weight"].data_ptr()  # whole tensors are adopted

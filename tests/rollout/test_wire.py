@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -49,13 +52,16 @@ def test_segments_view_large_contiguous_tensors_in_place():
 
 
 def test_assemble_is_zero_copy_for_segments_side_by_side():
-    packed = next(BucketPacker().pack_buckets(_state()))
+    (packed,) = BucketPacker().pack_buckets(_state())
     store = np.concatenate(packed.segments)  # what the object store does: one copy, side by side
     cuts = np.cumsum([0] + [s.nbytes for s in packed.segments])
     received = [store[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
     bucket, copied = assemble(received)
     assert not copied and bucket.ctypes.data == store.ctypes.data and not bucket.flags.writeable
-    del store, received  # the bucket keeps the memory alive
+    owner = weakref.ref(store)
+    del store, received
+    gc.collect()
+    assert owner() is not None  # the bucket keeps the memory it views alive
     copy, copied = assemble(packed.segments)  # separate arrays: copied together, same bytes
     assert copied and np.array_equal(copy, bucket)
     with pytest.raises(TypeError, match="segment 0"):
@@ -65,9 +71,9 @@ def test_assemble_is_zero_copy_for_segments_side_by_side():
 def test_scratch_is_reused_between_pushes():
     packer = BucketPacker(bucket_bytes=1 << 20)
     state = _state()
-    first = next(packer.pack_buckets(state))
+    (first,) = packer.pack_buckets(state)
     doubled = {k: v.mul_(2) for k, v in _state().items()}  # same layout, new values
-    second = next(packer.pack_buckets(doubled))
+    (second,) = packer.pack_buckets(doubled)
     sources = {t.data_ptr() for t in state.values()}
     scratch = [i for i, s in enumerate(first.segments) if s.ctypes.data not in sources]
     assert scratch
