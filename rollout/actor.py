@@ -19,7 +19,8 @@ from .outputs import RolloutOutput
 from .prompts import PromptLimits
 from .sampling_params import SamplingParams
 from .weight_update import StagedUpdate, all_finite
-from .wire import Manifest, TensorEntry, assemble, unpack, unpack_entries, verification_shares, verify_entries
+from .wire import Manifest, TensorEntry
+from .wire_receive import assemble, unpack, unpack_entries, verification_shares, verify_entries
 
 
 def resident_bytes(kind: str = "VmRSS") -> int:

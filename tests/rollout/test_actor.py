@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rollout.actor import RolloutWorker
-from rollout.wire import BucketPacker, Manifest, verification_shares
+from rollout.wire import BucketPacker, Manifest
+from rollout.wire_receive import verification_shares
 from tests.factories import _randomize
 
 ENGINE = dict(device="cpu", max_batch_size=8, max_seq_len=128, kv_cache_tokens=1024)

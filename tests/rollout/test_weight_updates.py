@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.wire import BucketPacker, unpack
+from rollout.wire import BucketPacker
+from rollout.wire_receive import unpack
 from tests.conftest import make_engine
 from tests.factories import _randomize, hf_logprobs
 

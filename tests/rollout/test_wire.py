@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.wire import ALIGN, SEGMENT_MIN, BucketPacker, assemble, unpack, verify, wire_order
+from rollout.wire import ALIGN, SEGMENT_MIN, BucketPacker, Manifest, wire_order
+from rollout.wire_receive import assemble, unpack, verify
 
 
 def _state():
@@ -84,8 +85,6 @@ def test_scratch_is_reused_between_pushes():
 
 
 def _manifest(packed):
-    from rollout.wire import Manifest
-
     return Manifest(packed.entries, (packed.nbytes,))
 
 
