@@ -73,6 +73,7 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every named tensor (names that share memory count each time)."""
         return sum(e.nbytes for e in self.entries)
 
 
@@ -136,12 +137,14 @@ class BucketPacker:
         non-string name, a non-tensor value or an unsupported dtype raises
         `TypeError`/`ValueError` naming the entry.
         """
-        layout = self._layout(_checked(state_dict))
+        state_dict, aliases = _shared(_checked(state_dict))
+        layout = self._layout(state_dict)
         scratch = self._scratch_for([sum(s.nbytes for s in b if not s.in_place) for b in layout])
         with ThreadPoolExecutor(1, thread_name_prefix="rollout-pack") as pool:
             for index, segments in enumerate(layout):
                 arrays, placed = _fill(segments, scratch[index])
-                yield WireBucket(index, arrays, sum(a.nbytes for a in arrays), pool.submit(_entries, index, placed))
+                entries = pool.submit(_entries, index, placed, aliases)
+                yield WireBucket(index, arrays, sum(a.nbytes for a in arrays), entries)
 
     def _layout(self, state_dict: Mapping[str, torch.Tensor]) -> list[list[_Segment]]:
         """Buckets of segments. A module's tensors share a bucket unless they
@@ -184,11 +187,32 @@ def _fill(segments: list[_Segment], scratch: np.ndarray) -> tuple[tuple[np.ndarr
     return tuple(arrays), placed
 
 
-def _entries(index: int, placed: list) -> tuple[TensorEntry, ...]:
-    return tuple(
-        TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), index, offset, raw.nbytes, checksum(raw))
-        for name, t, offset, raw in placed
-    )
+def _entries(index: int, placed: list, aliases: dict[str, list[str]]) -> tuple[TensorEntry, ...]:
+    """Entries of one bucket's tensors, each followed by entries of the names
+    that share its memory (same bytes, same place)."""
+    entries = []
+    for name, t, offset, raw in placed:
+        dtype, digest = str(t.dtype).removeprefix("torch."), checksum(raw)
+        for each in (name, *aliases.get(name, ())):
+            entries.append(TensorEntry(each, dtype, tuple(t.shape), index, offset, raw.nbytes, digest))
+    return tuple(entries)
+
+
+def _shared(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """The tensors to send, and per sent name the other names that view the
+    very same memory (a tied `lm_head.weight`), which travel as entries only:
+    a tied Qwen2.5-0.5B would otherwise send its 272 MB embedding twice."""
+    unique: dict[str, torch.Tensor] = {}
+    first: dict[tuple, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, t in state_dict.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
+        if t.numel() and key in first:
+            aliases.setdefault(first[key], []).append(name)
+        else:
+            first.setdefault(key, name)
+            unique[name] = t
+    return unique, aliases
 
 
 def wire_order(names: Iterable[str]) -> list[list[str]]:

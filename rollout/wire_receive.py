@@ -51,11 +51,12 @@ def verification_shares(entries: Sequence[TensorEntry], parts: int) -> list[tupl
     """`entries` split into `parts` shares of about equal bytes (largest
     first, each to the lightest share), in bucket order inside a share. The
     split is the same on every process, so actors that share an object
-    store can each verify one share of a bucket."""
+    store can each verify one share of a bucket. Names that share bytes
+    (a tied `lm_head.weight`) are checked once."""
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"parts must be an int >= 1, got {parts!r}")
     loads, shares = [0] * parts, [[] for _ in range(parts)]
-    for e in sorted(entries, key=lambda e: (-e.nbytes, e.offset)):
+    for e in sorted(_distinct(entries), key=lambda e: (-e.nbytes, e.offset)):
         lightest = loads.index(min(loads))
         shares[lightest].append(e)
         loads[lightest] += e.nbytes
@@ -83,7 +84,7 @@ def verify_bucket(index: int, bucket: np.ndarray, manifest: Manifest) -> None:
 
 def verify_entries(bucket: np.ndarray, entries: Sequence[TensorEntry]) -> None:
     """Check the checksums of `entries`, all held by `bucket`."""
-    for e in entries:
+    for e in _distinct(entries):
         if e.offset + e.nbytes > bucket.nbytes:
             raise ValueError(f"weight push tensor {e.name!r} lies past the end of bucket {e.bucket}")
         if checksum(bucket[e.offset : e.offset + e.nbytes]) != e.checksum:
@@ -116,3 +117,14 @@ def _frombuffer(raw: np.ndarray) -> torch.Tensor:
 # catch_warnings() block around each view is not thread-safe, and actors
 # receive buckets on several threads.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+
+def _distinct(entries: Sequence[TensorEntry]) -> list[TensorEntry]:
+    """`entries` without the repeats of a range already listed with the same checksum."""
+    seen: set[tuple[int, int, int]] = set()
+    out = []
+    for e in entries:
+        if (e.offset, e.nbytes, e.checksum) not in seen:
+            seen.add((e.offset, e.nbytes, e.checksum))
+            out.append(e)
+    return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout.wire import ALIGN, SEGMENT_MIN, BucketPacker, Manifest, wire_order
-from rollout.wire_receive import assemble, unpack, verify
+from rollout.wire_receive import assemble, unpack, verification_shares, verify
 
 
 def _state():
@@ -114,7 +114,7 @@ def test_wire_order_puts_fused_siblings_side_by_side():
 
 def test_a_module_is_not_split_across_buckets():
     block = torch.ones(16, 32)  # 2 KiB
-    state = {"x.a.weight": block, "y.p.weight": block, "y.q.weight": block, "y.r.weight": block}
+    state = {name: block.clone() for name in ("x.a.weight", "y.p.weight", "y.q.weight", "y.r.weight")}
     _, manifest = BucketPacker(bucket_bytes=3 * block.nbytes).pack(state)
     assert [e.bucket for e in manifest.entries] == [0, 1, 1, 1]
 
@@ -142,3 +142,21 @@ def test_corruption_is_named():
 def test_bad_state_dicts(state, error, needle):
     with pytest.raises(error, match=needle):
         BucketPacker().pack(state)
+
+
+def test_names_that_share_memory_travel_once():
+    embed = torch.randn(64, 32)
+    state = {"model.embed_tokens.weight": embed, "x.norm.weight": torch.ones(32), "lm_head.weight": embed}
+    (packed,) = BucketPacker().pack_buckets(state)
+    assert packed.nbytes < 2 * embed.nbytes  # the tied head is not sent again
+    by_name = {e.name: e for e in packed.entries}
+    head, emb = by_name["lm_head.weight"], by_name["model.embed_tokens.weight"]
+    assert (head.offset, head.nbytes, head.checksum) == (emb.offset, emb.nbytes, emb.checksum)
+    bucket, _ = assemble(packed.segments)
+    out = unpack([bucket], _manifest(packed))
+    assert torch.equal(out["lm_head.weight"], embed)
+    assert out["lm_head.weight"].data_ptr() == out["model.embed_tokens.weight"].data_ptr()
+    assert sum(len(s) for s in verification_shares(packed.entries, 2)) == 2  # the shared bytes are checked once
+    clone = dict(state, **{"lm_head.weight": embed.clone()})  # equal values, own memory: sent twice
+    (again,) = BucketPacker().pack_buckets(clone)
+    assert again.nbytes >= 2 * embed.nbytes
