@@ -9,6 +9,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,16 @@ def check_bucket(bucket: np.ndarray, entries: tuple[TensorEntry, ...], checksums
             raise ValueError(f"state_dict[{name!r}] holds NaN or inf values")
 
 
+def lower_thread_priority(niceness: int = 10) -> None:
+    """Make the calling thread yield the CPU to the process's other threads
+    (Linux: a thread id's own nice value); a no-op where unsupported."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+    except (AttributeError, OSError):
+        pass
+
+
 def touch_pages(bucket: np.ndarray, page: int = 4096) -> None:
     """Read one byte per memory page of `bucket`, so the page-table work of
     a fresh object-store mapping happens here rather than in the first
@@ -108,6 +119,9 @@ class RolloutWorker:
         self._faults: dict[str, str] = {}
         self._buckets_copied = 0  # buckets whose segments arrived apart and were copied together
         self._finished: deque[str] = deque(maxlen=64)  # push ids prepared or aborted: late buckets are dropped
+        # Verifying a push yields the CPU to generation: on a busy host its
+        # scans would otherwise stretch the decode steps they overlap.
+        self._background = ThreadPoolExecutor(1, "rollout-verify", initializer=lower_thread_priority)
         if manifest is not None:
             for index, segments in enumerate(buckets):
                 self.stage_bucket("published", index, [e for e in manifest.entries if e.bucket == index], segments)
@@ -153,9 +167,7 @@ class RolloutWorker:
         bucket's size."""
         part, parts = _checked_share(share)
         bucket, copied = assemble(segments)
-        check_bucket(bucket, verification_shares(entries, parts)[part], checksums)
-        if self.engine.config.device.type == "cpu":
-            touch_pages(bucket)  # the engine will adopt these bytes: map them now, not in its next step
+        self._background.submit(self._receive, bucket, verification_shares(entries, parts)[part], checksums).result()
         with self._lock:
             if push_id in self._finished:
                 return bucket.nbytes  # a late bucket of a push that was aborted meanwhile
@@ -164,6 +176,11 @@ class RolloutWorker:
             self._incoming.setdefault(push_id, {})[index] = (tuple(entries), bucket)
             self._buckets_copied += copied
         return bucket.nbytes
+
+    def _receive(self, bucket: np.ndarray, entries: tuple[TensorEntry, ...], checksums: bool) -> None:
+        check_bucket(bucket, entries, checksums)
+        if self.engine.config.device.type == "cpu":
+            touch_pages(bucket)  # the engine will adopt these bytes: map them now, not in its next step
 
     def prepare_push(
         self, push_id: str, manifest: Manifest, verify: tuple[tuple[int, int, int, bool], ...] = ()
@@ -184,7 +201,9 @@ class RolloutWorker:
             if entries != tuple(e for e in manifest.entries if e.bucket == index):
                 raise ValueError(f"weight push bucket {index} does not match the manifest")
             for _, part, parts, checksums in (v for v in verify if v[0] == index):
-                check_bucket(bucket, verification_shares(entries, parts)[part], checksums)
+                self._background.submit(
+                    self._receive, bucket, verification_shares(entries, parts)[part], checksums
+                ).result()
             buckets.append(bucket)
         staged = self.engine.prepare_weights(unpack(buckets, manifest), adopt=True, verified_finite=True)
         with self._lock:
