@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import os
+import threading
 
 import pytest
 import torch
 
-from rollout.actor import RolloutWorker
+from rollout.actor import RolloutWorker, lower_thread_priority
 from rollout.wire import BucketPacker, Manifest
 from rollout.wire_receive import verification_shares
 from tests.factories import _randomize
@@ -86,3 +88,21 @@ def test_buckets_of_an_abandoned_push_do_not_linger(qwen2):
     assert worker.prepare_push("new", manifest) > 0  # still whole
     with pytest.raises(ValueError, match=r"share must be \(part, parts\)"):
         worker.stage_bucket("new", 0, packed[0].entries, list(packed[0].segments), share=(2, 2))
+
+
+def test_verification_runs_on_a_thread_that_yields_to_generation():
+    if not hasattr(os, "getpriority"):
+        pytest.skip("no per-thread priorities on this platform")
+    seen = []
+
+    def probe():
+        before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        lower_thread_priority(5)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - before)
+
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join(10)
+    assert seen == [5]  # that thread yields
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main  # the others do not
