@@ -108,6 +108,7 @@ class DecodeGraphs:
         self._failed: dict[GraphKey, str] = {}  # keys whose capture failed: served eagerly, with why
         self._pool = None
         self._iota = torch.arange(workspace.shape.max_rows, device=workspace.device)
+        self._padded: tuple[int, int] | None = None  # (rows, bucket) the padding rows are laid out for
         self.replays = 0  # steps served by a captured graph (or its eager stand-in)
 
     def key(self, rows: int, width: int, flags: tuple[bool, bool, bool]) -> GraphKey | None:
@@ -124,8 +125,9 @@ class DecodeGraphs:
         return key
 
     def run(self, rows: int, width: int, key: GraphKey) -> None:
-        """Pad the workspace from `rows` rows and `width` pages up to `key`, then replay."""
-        self.pad(rows, width, key)
+        """Pad the workspace from `rows` rows up to `key`, then replay."""
+        if self._padded != (rows, key.rows):
+            self.pad(rows, key)
         graph = self._graphs.get(key) or (self._capture(key) if self.mode == "cuda" else None)
         if graph is not None:
             graph.replay()
@@ -133,13 +135,13 @@ class DecodeGraphs:
             self._forward(key)  # "eager", or a capture that failed: the same padded step, uncaptured
         self.replays += 1
 
-    def pad(self, rows: int, width: int, key: GraphKey) -> None:
-        """Rows `[rows, key.rows)` become padding; block-table columns
-        `[width, key.pages)` of the real rows point at page 0, which their
-        context lengths mask out (as the eager path's padding does)."""
-        tables = self.ws.buffer("block_tables")
-        if width < key.pages:
-            tables[:rows, width : key.pages] = 0
+    def pad(self, rows: int, key: GraphKey) -> None:
+        """Rows `[rows, key.rows)` become padding. They stay valid until a
+        step of another shape writes the workspace (`invalidate`): decode
+        steps of the same row count write only rows `[0, rows)`. Block-table
+        columns past a real row's width hold older page ids (or the scratch
+        page), which its context length masks out."""
+        self._padded = (rows, key.rows)
         if rows == key.rows:
             return
         pad = slice(rows, key.rows)
@@ -147,7 +149,11 @@ class DecodeGraphs:
             self.ws.buffer(name)[pad] = value
         self.ws.buffer("slot_mapping")[pad] = self.scratch_slot
         self.ws.buffer("logit_rows")[pad] = self._iota[pad]
-        tables[pad, : key.pages] = self.scratch_page
+        self.ws.buffer("block_tables")[pad, : self.page_buckets[-1]] = self.scratch_page
+
+    def invalidate(self) -> None:
+        """A step outside the graphs wrote the workspace: pad again before the next replay."""
+        self._padded = None
 
     def _capture(self, key: GraphKey) -> torch.cuda.CUDAGraph | None:
         """Capture `key`'s graph; None (and that key stays eager) if capture fails.

@@ -69,6 +69,8 @@ class Stepper:
         if key is not None:
             self.graphs.run(num_rows, width, key)
         else:
+            if self.graphs is not None:
+                self.graphs.invalidate()
             self._run_eager(plan.num_tokens, meta, num_logits, num_rows)
         out_tokens = self.ws.view("out_tokens", num_rows)
         result = StepResult(out_tokens.tolist(), self.ws.view("out_logprobs", num_rows).tolist(), plan.version)

@@ -59,10 +59,16 @@ def test_padding_rows_write_only_to_the_scratch_page():
     assert ws.buffer("context_lens")[3:4].tolist() == [1]
     assert ws.buffer("temperature")[3:4].tolist() == [1.0]
     assert ws.buffer("logit_rows")[:4].tolist() == [7, 7, 7, 3]
-    assert ws.buffer("block_tables")[3, :2].tolist() == [30, 30]
-    assert ws.buffer("block_tables")[:3, 1].tolist() == [0, 0, 0]  # widened columns: page 0, masked
-    assert ws.buffer("slot_mapping")[:3].tolist() == [7, 7, 7]  # real rows untouched
+    assert ws.buffer("block_tables")[3].tolist() == [30] * 6  # every column: wider buckets stay covered
+    assert ws.buffer("block_tables")[:3].unique().tolist() == [5]  # real rows untouched; past their width, masked
+    assert ws.buffer("slot_mapping")[:3].tolist() == [7, 7, 7]
     assert ws.buffer("slot_mapping")[4:8].tolist() == [7] * 4 and graphs.replays == 1
+    ws.buffer("slot_mapping")[3] = 99  # same shape again: the padding is still in place, not rewritten
+    graphs.run(3, 2, key)
+    assert ws.buffer("slot_mapping")[3].item() == 99
+    graphs.invalidate()  # a step of another shape wrote the workspace
+    graphs.run(3, 2, key)
+    assert ws.buffer("slot_mapping")[3].item() == 30 * 16 and graphs.replays == 3
 
 
 def _run(engine: Engine):
