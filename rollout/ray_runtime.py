@@ -86,6 +86,15 @@ def reserve(placement: Placement, timeout_s: float):
     return pg
 
 
+def local_node() -> str | None:
+    """Id of the Ray node whose object store this process's puts land in;
+    None through Ray Client (`ray://`), where a put first crosses the network."""
+    ray = ray_module()
+    from ray.util.client import ray as client
+
+    return None if client.is_connected() else ray.get_runtime_context().get_node_id()
+
+
 def bundle_nodes(pg) -> dict[int, str]:
     """Bundle index -> id of the Ray node that holds it."""
     from ray.util.placement_group import placement_group_table
