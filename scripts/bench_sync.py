@@ -75,7 +75,8 @@ def longest_pause(cluster, windows: list[tuple[float, float]]) -> dict:
     }
 
 
-def run(args) -> dict:
+def start_cluster(args):
+    """A local Ray with a fixed, preallocated object store and 2 CPU actors."""
     import ray
 
     ray.init(
@@ -88,7 +89,7 @@ def run(args) -> dict:
     )
     tmp = Path(tempfile.mkdtemp(prefix="bench_sync_"))
     write_checkpoint(tmp, CONFIG)
-    cluster = rollout.init(
+    return rollout.init(
         tmp,
         num_actors=2,
         num_cpus_per_actor=1,
@@ -98,10 +99,10 @@ def run(args) -> dict:
         timeout_s=600,
         bucket_bytes=args.bucket_mb * 2**20,
     )
-    states = [random_state(CONFIG, 1 + k) for k in range(2)]
-    nbytes = sum(t.nbytes for t in states[0].values())
-    floor = CopyFloor(nbytes)
-    floor.seconds()
+
+
+def timed_pushes(cluster, states, floor: CopyFloor, args) -> dict:
+    """Warm-up pushes, then timed ones, each against the copy floor measured just before it."""
     warmup = []
     for k in range(1 + args.warmup):  # each process touches the store's pages on first use
         start = time.perf_counter()
@@ -113,25 +114,38 @@ def run(args) -> dict:
         start = time.perf_counter()
         cluster.push_weights(states[k % 2])
         times.append(time.perf_counter() - start)
-    push = statistics.median(times)
     ratios = sorted(f / t for f, t in zip(floors, times, strict=True))
+    return {
+        "floor_two_copies_s": statistics.median(floors),
+        "floor_s_all": floors,
+        "first_push_s": warmup[0],
+        "warmup_push_s": warmup[1:],
+        "push_s_median": statistics.median(times),
+        "push_s_all": times,
+        "sync_efficiency": statistics.median(ratios),  # median over pushes of floor / push
+        "sync_efficiency_range": (ratios[0], ratios[-1]),
+    }
+
+
+def run(args) -> dict:
+    import ray
+
+    cluster = start_cluster(args)
+    states = [random_state(CONFIG, 1 + k) for k in range(2)]
+    nbytes = sum(t.nbytes for t in states[0].values())
+    floor = CopyFloor(nbytes)
+    floor.seconds()
+    pushes = timed_pushes(cluster, states, floor, args)
     fetch = ray.remote(num_cpus=0)(lambda ref: len(ref)).options
     naive = naive_push_seconds(states[0], [fetch(), fetch()]) if args.naive else None
     pause = measure_pause(cluster, states, args.pause_pushes)
     rollout.shutdown()
     return {
         "bytes": nbytes,
-        "floor_two_copies_s": statistics.median(floors),
-        "floor_s_all": floors,
-        "first_push_s": warmup[0],
-        "warmup_push_s": warmup[1:],
-        "push_s_median": push,
-        "push_s_all": times,
-        "sync_efficiency": statistics.median(ratios),  # median over pushes of floor / push
-        "sync_efficiency_range": (ratios[0], ratios[-1]),
-        "gb_per_s": nbytes / push / 1e9,
+        **pushes,
+        "gb_per_s": nbytes / pushes["push_s_median"] / 1e9,
         "naive_put_dict_s": naive,
-        "naive_sync_efficiency": statistics.median(floors) / naive if naive else None,
+        "naive_sync_efficiency": pushes["floor_two_copies_s"] / naive if naive else None,
         **pause,
     }
 
