@@ -26,13 +26,13 @@ then adopt them as one fused parameter without a copy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
 ALIGN = 64  # byte alignment of every tensor and segment inside a bucket
 SEGMENT_MIN = 2048  # smallest segment: Ray aligns smaller out-of-band buffers to 8 bytes only
@@ -285,4 +285,13 @@ def _checked(state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tenso
 
 
 def checksum(raw: np.ndarray) -> int:
-    return xxhash.xxh3_64_intdigest(memoryview(raw))
+    return _xxh3()(memoryview(raw))
+
+
+@functools.cache
+def _xxh3():
+    # Imported on first use: the wire format needs it, an engine alone does not
+    # (a GPU box running `scripts/gpu_check.py` has no xxhash).
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest
