@@ -78,7 +78,9 @@ def checkpoint(config: dict, dtype: torch.dtype, root: Path, name: str):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=dtype).eval()
+    # Cast after building: `from_config(dtype=...)` is new in transformers, and the
+    # GPU box may carry an older one.
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**config)).to(dtype).eval()
     path = root / name
     model.save_pretrained(path)
     return path, model
