@@ -166,6 +166,9 @@ class RolloutWorker:
         is the trainer's own (the bytes crossed no network). Returns the
         bucket's size."""
         part, parts = _checked_share(share)
+        with self._lock:
+            if push_id in self._finished:
+                return 0  # a late bucket of a push that was aborted meanwhile: not worth verifying
         bucket, copied = assemble(segments)
         self._background.submit(self._receive, bucket, verification_shares(entries, parts)[part], checksums).result()
         with self._lock:
@@ -201,6 +204,7 @@ class RolloutWorker:
             if entries != tuple(e for e in manifest.entries if e.bucket == index):
                 raise ValueError(f"weight push bucket {index} does not match the manifest")
             for _, part, parts, checksums in (v for v in verify if v[0] == index):
+                part, parts = _checked_share((part, parts))
                 self._background.submit(
                     self._receive, bucket, verification_shares(entries, parts)[part], checksums
                 ).result()

@@ -124,7 +124,7 @@ class DecodeGraphs:
             return None
         return key
 
-    def run(self, rows: int, width: int, key: GraphKey) -> None:
+    def run(self, rows: int, key: GraphKey) -> None:
         """Pad the workspace from `rows` rows up to `key`, then replay."""
         if self._padded != (rows, key.rows):
             self.pad(rows, key)
@@ -141,15 +141,14 @@ class DecodeGraphs:
         steps of the same row count write only rows `[0, rows)`. Block-table
         columns past a real row's width hold older page ids (or the scratch
         page), which its context length masks out."""
+        if rows < key.rows:
+            pad = slice(rows, key.rows)
+            for name, value in _PAD_VALUES.items():
+                self.ws.buffer(name)[pad] = value
+            self.ws.buffer("slot_mapping")[pad] = self.scratch_slot
+            self.ws.buffer("logit_rows")[pad] = self._iota[pad]
+            self.ws.buffer("block_tables")[pad, : self.page_buckets[-1]] = self.scratch_page
         self._padded = (rows, key.rows)
-        if rows == key.rows:
-            return
-        pad = slice(rows, key.rows)
-        for name, value in _PAD_VALUES.items():
-            self.ws.buffer(name)[pad] = value
-        self.ws.buffer("slot_mapping")[pad] = self.scratch_slot
-        self.ws.buffer("logit_rows")[pad] = self._iota[pad]
-        self.ws.buffer("block_tables")[pad, : self.page_buckets[-1]] = self.scratch_page
 
     def invalidate(self) -> None:
         """A step outside the graphs wrote the workspace: pad again before the next replay."""

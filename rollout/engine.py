@@ -340,7 +340,7 @@ class Engine:
                     result = self.stepper.step(plan)
                 except BaseException:
                     self.scheduler.recover()
-                    self.decode_cache.invalidate()
+                    self.stepper.invalidate()
                     raise
                 self.scheduler.update(plan, result)
             elif not self.scheduler.blocked_by_drain():

@@ -13,7 +13,7 @@ from .actor_slots import ActorGone, ActorSlot, Published
 from .engine import check_inflight
 from .handles import PushHandle
 from .ray_runtime import control, local_node, ray_module
-from .wire import Manifest
+from .wire import Manifest, check_state_dict
 
 
 @dataclass(slots=True)
@@ -51,18 +51,20 @@ class WeightPushes:
         self._check_open()
         check_inflight(inflight)
         self._versions.check_next(version)
+        check_state_dict(state_dict)  # before waiting for the previous push
+        push_id, slots, shipping = uuid.uuid4().hex, [], False
         self._push_lock.acquire()  # released when the push ends, by whichever thread ends it
-        with self._cond:
-            slots = [s for s in self._slots if s.state == "alive"]
-        push_id = uuid.uuid4().hex
         try:
             self._check_open()  # a shutdown may have finished while this call waited for the lock
+            with self._cond:
+                slots = [s for s in self._slots if s.state == "alive"]
+            shipping = True
             shipment = self._ship(state_dict, version, push_id, slots)
             if not wait:
                 return PushHandle(lambda: self._finish(shipment, inflight))
         except BaseException:
             try:
-                if not self._closed:
+                if shipping and not self._closed:
                     self._abort(push_id, slots)  # buckets already sent must not stay staged on the actors
             finally:
                 self._push_lock.release()

@@ -55,6 +55,8 @@ class Stepper:
         samplers = plan.samplers
         num_rows = len(samplers)
         pure_decode = _is_pure_decode(plan.chunks)
+        if self.graphs is not None and not pure_decode:
+            self.graphs.invalidate()  # this step's uploads may overwrite the padding rows
         if pure_decode:
             signature = (plan.version, tuple(s.seq_id for s in samplers))
             if not self.cache.prepare(signature, num_rows, lambda: self._decode_rows(plan.chunks)):
@@ -67,7 +69,7 @@ class Stepper:
         width = meta.decode_block_tables.shape[1] if pure_decode else 0
         key = self.graphs.key(num_rows, width, self._flags) if self.graphs and pure_decode else None
         if key is not None:
-            self.graphs.run(num_rows, width, key)
+            self.graphs.run(num_rows, key)
         else:
             if self.graphs is not None:
                 self.graphs.invalidate()
@@ -79,6 +81,12 @@ class Stepper:
         else:
             self.cache.invalidate()
         return result
+
+    def invalidate(self) -> None:
+        """Forget device-side state carried between steps (after a failed step)."""
+        self.cache.invalidate()
+        if self.graphs is not None:
+            self.graphs.invalidate()
 
     def _run_eager(self, num_tokens: int, meta: AttentionMetadata, num_logits: int, num_rows: int) -> None:
         logits = self.model(

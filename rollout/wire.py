@@ -137,7 +137,7 @@ class BucketPacker:
         non-string name, a non-tensor value or an unsupported dtype raises
         `TypeError`/`ValueError` naming the entry.
         """
-        state_dict, aliases = _shared(_checked(state_dict))
+        state_dict, aliases = _shared(check_state_dict(state_dict))
         layout = self._layout(state_dict)
         scratch = self._scratch_for([sum(s.nbytes for s in b if not s.in_place) for b in layout])
         with ThreadPoolExecutor(1, thread_name_prefix="rollout-pack") as pool:
@@ -269,7 +269,8 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     return raw
 
 
-def _checked(state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+def check_state_dict(state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """`state_dict` if it can travel; `TypeError`/`ValueError` naming the first entry that cannot."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}")
     if not state_dict:
@@ -281,6 +282,10 @@ def _checked(state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tenso
             raise TypeError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(tensor).__name__}")
         if str(tensor.dtype).removeprefix("torch.") not in WIRE_DTYPES:
             raise TypeError(f"state_dict[{name!r}] has dtype {tensor.dtype}, not one of {sorted(WIRE_DTYPES)}")
+        if tensor.layout != torch.strided or tensor.is_meta:
+            raise TypeError(
+                f"state_dict[{name!r}] must be a dense tensor with data, got layout {tensor.layout} on {tensor.device}"
+            )
     return state_dict
 
 

@@ -120,11 +120,12 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 
 def _distinct(entries: Sequence[TensorEntry]) -> list[TensorEntry]:
-    """`entries` without the repeats of a range already listed with the same checksum."""
-    seen: set[tuple[int, int, int]] = set()
+    """`entries` without the repeats of one already listed: same bytes, checksum, dtype and shape."""
+    seen: set[tuple] = set()
     out = []
     for e in entries:
-        if (e.offset, e.nbytes, e.checksum) not in seen:
-            seen.add((e.offset, e.nbytes, e.checksum))
+        key = (e.offset, e.nbytes, e.checksum, e.dtype, e.shape)
+        if key not in seen:
+            seen.add(key)
             out.append(e)
     return out

@@ -74,13 +74,19 @@ STOP_IDS = list(range(10, 50))
 
 
 def checkpoint(config: dict, dtype: torch.dtype, root: Path, name: str):
-    """A random Qwen2 checkpoint written by transformers; returns (path, model on the device)."""
+    """A random Qwen2 checkpoint written by transformers; returns (path, the model on the CPU)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
-    # Cast after building: `from_config(dtype=...)` is new in transformers, and the
-    # GPU box may carry an older one.
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**config)).to(dtype).eval()
+    # Built under a default dtype rather than with `from_config(dtype=...)`, which
+    # older transformers lack; a cast afterwards would also round the rotary
+    # inv_freq buffer to bf16 and move the reference by up to 0.01 logprob.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**config)).eval()
+    finally:
+        torch.set_default_dtype(previous)
     path = root / name
     model.save_pretrained(path)
     return path, model

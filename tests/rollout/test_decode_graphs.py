@@ -54,7 +54,7 @@ def test_padding_rows_write_only_to_the_scratch_page():
     assert key == GraphKey(4, 2, (False, False, False))
     assert graphs.key(3, 3, (True, False, False)) == GraphKey(4, 4, (True, False, False))
     assert graphs.key(9, 1, (False, False, False)) is None  # beyond max_rows: the eager path serves it
-    graphs.run(3, 1, key)
+    graphs.run(3, key)
     assert ws.buffer("slot_mapping")[3:4].tolist() == [30 * 16]
     assert ws.buffer("context_lens")[3:4].tolist() == [1]
     assert ws.buffer("temperature")[3:4].tolist() == [1.0]
@@ -64,10 +64,10 @@ def test_padding_rows_write_only_to_the_scratch_page():
     assert ws.buffer("slot_mapping")[:3].tolist() == [7, 7, 7]
     assert ws.buffer("slot_mapping")[4:8].tolist() == [7] * 4 and graphs.replays == 1
     ws.buffer("slot_mapping")[3] = 99  # same shape again: the padding is still in place, not rewritten
-    graphs.run(3, 2, key)
+    graphs.run(3, key)
     assert ws.buffer("slot_mapping")[3].item() == 99
     graphs.invalidate()  # a step of another shape wrote the workspace
-    graphs.run(3, 2, key)
+    graphs.run(3, key)
     assert ws.buffer("slot_mapping")[3].item() == 30 * 16 and graphs.replays == 3
 
 
@@ -127,3 +127,28 @@ def test_cuda_graphs_match_the_eager_path_on_the_gpu(qwen2):  # pragma: no cover
     graphed.update_weights(state)  # graphs read the live parameters, updated in place
     plain.update_weights(state)
     _assert_same(_flatten(_run(graphed)), _flatten(_run(plain)), atol=1e-4)
+
+
+def test_a_mixed_step_between_padded_steps_does_not_leave_stale_padding(qwen2):
+    """A prompt joins between two 3-row graph steps (bucket 4): its prefill step
+    writes rows the padding used, which must be laid out again."""
+    main = SamplingParams(n=3, max_tokens=30, seed=7, ignore_eos=True, logprobs_mode="raw")
+    joiner = SamplingParams(n=1, max_tokens=1, seed=9, ignore_eos=True)
+
+    def outputs(engine, join: bool):
+        joined = []
+
+        def callback(info):
+            if join and not joined and info.num_sampled == 3 and engine.stats()["decode_graph_replays"] >= 2:
+                joined.append(engine.generate_iter([[11, 12]], joiner))  # one mixed step, then done
+
+        engine._step_callback = callback
+        out = engine.generate([[3, 4, 5, 6, 7]], main)
+        return [(s.token_ids, s.logprobs) for s in out[0].samples], bool(joined)
+
+    reference, _ = outputs(make_engine(qwen2.path, max_batch_size=4), join=False)
+    graphed, joined = outputs(make_engine(qwen2.path, max_batch_size=4, decode_graphs="eager"), join=True)
+    assert joined
+    for (t1, l1), (t2, l2) in zip(graphed, reference, strict=True):
+        assert t1 == t2
+        torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), atol=1e-5, rtol=0)

@@ -137,6 +137,8 @@ def test_corruption_is_named():
         ({1: torch.zeros(1)}, TypeError, "strings"),
         ({"x": [1.0]}, TypeError, "torch.Tensor"),
         ({"x": torch.zeros(2, dtype=torch.complex64)}, TypeError, "dtype"),
+        ({"x": torch.eye(3).to_sparse()}, TypeError, r"state_dict\['x'\] must be a dense tensor"),
+        ({"x": torch.empty(3, device="meta")}, TypeError, r"state_dict\['x'\] must be a dense tensor"),
     ],
 )
 def test_bad_state_dicts(state, error, needle):
