@@ -37,53 +37,71 @@ STOP_IDS = list(range(10, 50))
 N, PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 16, 32, 128
 
 
-def make_checkpoint(path: Path):
+def make_checkpoint(path: Path, config: dict = BENCH_25M, dtype: torch.dtype = torch.float32):
+    """A random Qwen2 checkpoint written by transformers at `path`; returns the model (on the CPU).
+
+    Built under a default dtype rather than with `from_config(dtype=...)`, which
+    older transformers lack; a cast afterwards would also round the rotary
+    inv_freq buffer and move a bf16 reference by up to 0.01 logprob.
+    """
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**BENCH_25M), dtype=torch.float32).eval()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**config)).eval()
+    finally:
+        torch.set_default_dtype(previous)
     model.save_pretrained(path)
     return model
 
 
-def workload_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+def workload_prompts(count: int, length: int, seed: int = 0, vocab: int = BENCH_25M["vocab_size"]) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(50, BENCH_25M["vocab_size"], (length,), generator=g).tolist() for _ in range(count)]
+    return [torch.randint(50, vocab, (length,), generator=g).tolist() for _ in range(count)]
 
 
-def real_tokens(row: list[int]) -> int:
+def real_tokens(row: list[int], stop_ids=STOP_IDS) -> int:
     """Generated tokens up to and including the first stop token."""
     for i, t in enumerate(row):
-        if t in STOP_IDS:
+        if t in stop_ids:
             return i + 1
     return len(row)
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_engine(engine: Engine, prompts, params) -> tuple[int, float]:
+    sync(engine.config.device)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    return sum(len(s.token_ids) for o in outs for s in o.samples), seconds
+    sync(engine.config.device)
+    return sum(len(s.token_ids) for o in outs for s in o.samples), time.perf_counter() - start
 
 
-def time_hf(model, prompts, n: int, max_tokens: int, greedy: bool = False) -> tuple[int, float]:
-    ids = torch.tensor(prompts).repeat_interleave(n, dim=0)
-    kwargs = dict(
-        do_sample=not greedy,
-        max_new_tokens=max_tokens,
-        eos_token_id=STOP_IDS,
-        pad_token_id=0,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
+def time_hf(model, prompts, n: int, max_tokens: int, greedy: bool = False, stop_ids=STOP_IDS) -> tuple[int, float]:
+    """Real tokens and seconds of transformers `generate()` on the model's device;
+    `stop_ids=None` generates exactly `max_tokens` per row."""
+    ids = torch.tensor(prompts, device=model.device).repeat_interleave(n, dim=0)
+    kwargs = dict(do_sample=not greedy, max_new_tokens=max_tokens, pad_token_id=0, return_dict_in_generate=True)
+    if stop_ids:
+        kwargs.update(eos_token_id=list(stop_ids), output_scores=True)
+    else:
+        kwargs.update(min_new_tokens=max_tokens)
     if not greedy:
         kwargs.update(temperature=1.0, top_k=0, top_p=1.0)
+    sync(model.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    sync(model.device)
     seconds = time.perf_counter() - start
     new = out.sequences[:, ids.shape[1] :].tolist()
-    return sum(real_tokens(r) for r in new), seconds
+    return sum(real_tokens(r, stop_ids or ()) for r in new), seconds
 
 
 def gemm_rate(rows: int = 256, seconds: float = 1.0) -> float:
@@ -99,14 +117,16 @@ def gemm_rate(rows: int = 256, seconds: float = 1.0) -> float:
     return count * 2 * a.shape[0] * a.shape[1] * b.shape[0] / (time.perf_counter() - start)
 
 
-def flops_per_token(context: int) -> float:
-    c = BENCH_25M
-    h, inter, layers, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
-    head = h // c["num_attention_heads"]
-    kv = c["num_key_value_heads"] * head
-    dense = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + v * h
-    attention = layers * 2 * 2 * context * h  # scores and weighted sum over `context` keys
-    return 2 * dense + attention
+def dense_params(config: dict) -> int:
+    """Parameters every token multiplies with: projections, MLP and the LM head."""
+    h, inter, layers, v = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
+    return layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + v * h
+
+
+def flops_per_token(context: int, config: dict = BENCH_25M) -> float:
+    attention = config["num_hidden_layers"] * 2 * 2 * context * config["hidden_size"]  # scores, weighted sum
+    return 2 * dense_params(config) + attention
 
 
 def run(args) -> dict:

@@ -27,6 +27,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench import (  # noqa: E402  (the bench-25m workload and its timers)
+    BENCH_25M,
+    STOP_IDS,
+    dense_params,
+    flops_per_token,
+    make_checkpoint,
+    sync,
+    time_engine,
+    time_hf,
+    workload_prompts,
+)
 
 from rollout import Engine, SamplingParams  # noqa: E402
 
@@ -39,16 +52,6 @@ QWEN25_05B = dict(
     num_key_value_heads=2,
     tie_word_embeddings=True,
     max_position_embeddings=4096,
-)
-BENCH_25M = dict(
-    vocab_size=4096,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    tie_word_embeddings=True,
-    max_position_embeddings=2048,
 )
 PARITY = dict(
     vocab_size=2048,
@@ -70,45 +73,16 @@ SMOKE = dict(
     tie_word_embeddings=True,
     max_position_embeddings=512,
 )
-STOP_IDS = list(range(10, 50))
-
-
-def checkpoint(config: dict, dtype: torch.dtype, root: Path, name: str):
-    """A random Qwen2 checkpoint written by transformers; returns (path, the model on the CPU)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(0)
-    # Built under a default dtype rather than with `from_config(dtype=...)`, which
-    # older transformers lack; a cast afterwards would also round the rotary
-    # inv_freq buffer to bf16 and move the reference by up to 0.01 logprob.
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**config)).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    path = root / name
-    model.save_pretrained(path)
-    return path, model
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def prompts_of(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(50, vocab, (length,), generator=g).tolist() for _ in range(count)]
 
 
 def parity(root: Path, device: torch.device, config: dict) -> dict:
     """Teacher-forced bf16 logprobs of the engine's samples against transformers
     in bf16 on the same device, and CUDA graph replays against the same padded
     steps run eagerly."""
-    path, hf = checkpoint(config, torch.bfloat16, root, "parity")
+    path = root / "parity"
+    hf = make_checkpoint(path, config, torch.bfloat16)
     hf = hf.to(device)
-    prompts = prompts_of(6, 40, config["vocab_size"], seed=3)
+    prompts = workload_prompts(6, 40, seed=3, vocab=config["vocab_size"])
     params = SamplingParams(n=4, max_tokens=48, ignore_eos=True, seed=11, logprobs_mode="raw")
     kw = dict(device=device, dtype="bfloat16", max_batch_size=32, max_seq_len=256, kv_cache_tokens=8192)
     graphed = Engine(path, decode_graphs="cuda" if device.type == "cuda" else "eager", **kw)
@@ -146,49 +120,19 @@ def parity(root: Path, device: torch.device, config: dict) -> dict:
     }
 
 
-def hf_generate(model, prompts, n: int, max_tokens: int, device, stop_ids=None) -> tuple[int, float]:
-    """Real tokens and seconds of transformers `generate()` with the same sampling settings."""
-    ids = torch.tensor(prompts, device=device).repeat_interleave(n, dim=0)
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_tokens, pad_token_id=0)
-    kwargs.update(
-        dict(eos_token_id=stop_ids, output_scores=True, return_dict_in_generate=True)
-        if stop_ids
-        else dict(min_new_tokens=max_tokens)
-    )
-    sync(device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    sync(device)
-    seconds = time.perf_counter() - start
-    seqs = out.sequences if stop_ids else out
-    new = seqs[:, ids.shape[1] :].tolist()
-    if not stop_ids:
-        return sum(len(r) for r in new), seconds
-    stops = set(stop_ids)
-    return sum(next((i + 1 for i, t in enumerate(r) if t in stops), len(r)) for r in new), seconds
-
-
-def engine_generate(engine: Engine, prompts, params) -> tuple[int, float]:
-    sync(engine.config.device)
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    sync(engine.config.device)
-    return sum(len(s.token_ids) for o in outs for s in o.samples), time.perf_counter() - start
-
-
 def bench_25m(root: Path, device: torch.device, config: dict, prompts: int, n: int, max_tokens: int) -> dict:
-    path, hf = checkpoint(config, torch.float32, root, "bench25m")
+    path = root / "bench25m"
+    hf = make_checkpoint(path, config, torch.float32)
     hf = hf.to(device)
     graphs = "cuda" if device.type == "cuda" else "off"
     kw = dict(max_batch_size=prompts * n, max_seq_len=512, kv_cache_tokens=64 * 1024, decode_graphs=graphs)
     engine = Engine(path, device=device, **kw)
-    batch = prompts_of(prompts, 32, config["vocab_size"])
+    batch = workload_prompts(prompts, 32, vocab=config["vocab_size"])
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, stop_token_ids=STOP_IDS, ignore_eos=True)
-    engine_generate(engine, batch[:2], SamplingParams(n=2, max_tokens=8))  # warm-up (and first graphs)
-    hf_generate(hf, batch[:2], 1, 4, device, STOP_IDS)
-    tokens, seconds = engine_generate(engine, batch, params)
-    hf_tokens, hf_seconds = hf_generate(hf, batch, n, max_tokens, device, STOP_IDS)
+    time_engine(engine, batch[:2], SamplingParams(n=2, max_tokens=8))  # warm-up (and first graphs)
+    time_hf(hf, batch[:2], 1, 4)
+    tokens, seconds = time_engine(engine, batch, params)
+    hf_tokens, hf_seconds = time_hf(hf, batch, n, max_tokens)
     return {
         "engine_tokens_per_s": tokens / seconds,
         "transformers_tokens_per_s": hf_tokens / hf_seconds,
@@ -226,20 +170,20 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
 
 
 def decode_floor(config: dict, batch: int, context: float, bandwidth: float, flops_rate: float) -> dict:
-    """Seconds of one decode step of `batch` rows at mean `context` tokens: memory and compute floors."""
-    h, inter, layers, v = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
-    head = h // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head
-    dense = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + v * h
-    weight_bytes = 2 * (dense + (0 if config["tie_word_embeddings"] else v * h))
-    kv_bytes = batch * context * layers * 2 * kv * 2
-    flops = batch * (2 * dense + layers * 4 * context * h)
-    memory, compute = (weight_bytes + kv_bytes) / bandwidth, flops / flops_rate
+    """Seconds of one bf16 decode step of `batch` rows at mean `context` tokens:
+    memory floor (every multiplied weight and the rows' KV read once) and
+    compute floor. Embedding rows are looked up, not read whole, so they are left out."""
+    kv = config["num_key_value_heads"] * (config["hidden_size"] // config["num_attention_heads"])
+    weight_bytes = 2 * dense_params(config)
+    kv_bytes = batch * context * config["num_hidden_layers"] * 2 * kv * 2
+    memory = (weight_bytes + kv_bytes) / bandwidth
+    compute = batch * flops_per_token(context, config) / flops_rate
     return {"memory_s": memory, "compute_s": compute, "floor_s": max(memory, compute)}
 
 
 def qwen_05b(root: Path, device: torch.device, config: dict, batches: tuple[int, ...], max_tokens: int) -> dict:
-    path, hf = checkpoint(config, torch.bfloat16, root, "qwen05b")
+    path = root / "qwen05b"
+    hf = make_checkpoint(path, config, torch.bfloat16)
     hf = hf.to(device)
     is_cuda = device.type == "cuda"
     bandwidth = copy_bandwidth(device, 2**30 if is_cuda else 2**24)
@@ -249,15 +193,15 @@ def qwen_05b(root: Path, device: torch.device, config: dict, batches: tuple[int,
     kw = dict(dtype="bfloat16", max_batch_size=max(batches), max_seq_len=512, decode_graphs=graphs)
     engine = Engine(path, device=device, **kw)
     for batch in batches:
-        prompts = prompts_of(batch // 8, 32, config["vocab_size"], seed=batch)
+        prompts = workload_prompts(batch // 8, 32, seed=batch, vocab=config["vocab_size"])
         params = SamplingParams(n=8, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
-        engine_generate(engine, prompts, params)  # warm-up: captures this batch's graphs
+        time_engine(engine, prompts, params)  # warm-up: captures this batch's graphs
         since = time.time()
-        tokens, seconds = engine_generate(engine, prompts, params)
+        tokens, seconds = time_engine(engine, prompts, params)
         steps = [s.seconds for s in engine.step_log(since) if s.num_tokens == batch]  # full-batch decode steps
         step = statistics.median(steps)
         floor = decode_floor(config, batch, 32 + max_tokens / 2, bandwidth, rate)
-        hf_tokens, hf_seconds = hf_generate(hf, prompts, 8, max_tokens, device)
+        hf_tokens, hf_seconds = time_hf(hf, prompts, 8, max_tokens, stop_ids=None)
         out[f"batch_{batch}"] = {
             "engine_tokens_per_s": tokens / seconds,
             "transformers_tokens_per_s": hf_tokens / hf_seconds,
