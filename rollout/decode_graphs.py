@@ -188,3 +188,12 @@ class DecodeGraphs:
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+
+def graph_stats(graphs: DecodeGraphs | None) -> dict[str, int]:
+    """Counters for `Engine.stats()`; zeros when the engine runs without graphs."""
+    return {
+        "decode_graph_replays": graphs.replays if graphs else 0,
+        "decode_graphs_captured": graphs.num_graphs if graphs else 0,
+        "decode_graph_capture_failures": len(graphs.capture_failures) if graphs else 0,
+    }

@@ -17,6 +17,7 @@ import torch
 from workspace import DecodeCache, InferenceWorkspace, KVPool, PageAllocator, WorkspaceShape
 
 from .config import ModelConfig
+from .decode_graphs import graph_stats
 from .engine_config import EngineConfig
 from .kv_manager import KVManager
 from .loader import load_checkpoint
@@ -288,9 +289,7 @@ class Engine:
             "kv_pages_used": alloc.num_used,
             "decode_cache_hits": self.decode_cache.hits,
             "decode_cache_misses": self.decode_cache.misses,
-            "decode_graph_replays": self.stepper.graphs.replays if self.stepper.graphs else 0,
-            "decode_graphs_captured": self.stepper.graphs.num_graphs if self.stepper.graphs else 0,
-            "decode_graph_capture_failures": len(self.stepper.graphs.capture_failures) if self.stepper.graphs else 0,
+            **graph_stats(self.stepper.graphs),
         }
 
     def step_log(self, since: float | None = None) -> list[StepInfo]:

@@ -40,6 +40,18 @@ class SoakReport:
         return not self.errors and self.final_exact and self.driver_rss_growth < 0.1 and self.actor_rss_growth < 0.1
 
 
+# A small cluster the soak harness and its test both run: 2 CPU actors, short sequences.
+SOAK_CLUSTER = dict(
+    num_actors=2,
+    num_cpus_per_actor=1,
+    max_seq_len=128,
+    kv_cache_tokens=2048,
+    max_batch_size=64,
+    timeout_s=120,
+    stall_timeout_s=120,
+)
+
+
 def random_params(rng: random.Random, vocab: int) -> SamplingParams:
     return SamplingParams(
         n=rng.randint(1, 4),

@@ -55,8 +55,6 @@ class Stepper:
         samplers = plan.samplers
         num_rows = len(samplers)
         pure_decode = _is_pure_decode(plan.chunks)
-        if self.graphs is not None and not pure_decode:
-            self.graphs.invalidate()  # this step's uploads may overwrite the padding rows
         if pure_decode:
             signature = (plan.version, tuple(s.seq_id for s in samplers))
             if not self.cache.prepare(signature, num_rows, lambda: self._decode_rows(plan.chunks)):
@@ -72,7 +70,7 @@ class Stepper:
             self.graphs.run(num_rows, key)
         else:
             if self.graphs is not None:
-                self.graphs.invalidate()
+                self.graphs.invalidate()  # this step's uploads may have overwritten the padding rows
             self._run_eager(plan.num_tokens, meta, num_logits, num_rows)
         out_tokens = self.ws.view("out_tokens", num_rows)
         result = StepResult(out_tokens.tolist(), self.ws.view("out_logprobs", num_rows).tolist(), plan.version)

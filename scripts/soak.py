@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rollout  # noqa: E402
-from rollout.soak import soak  # noqa: E402
+from rollout.soak import SOAK_CLUSTER, soak  # noqa: E402
 from rollout.synthetic import qwen2_config, random_state, write_checkpoint  # noqa: E402
 
 
@@ -33,17 +33,7 @@ def main() -> int:
     path = Path(tempfile.mkdtemp(prefix="soak_"))
     write_checkpoint(path, cfg, seed=0)
     states = [random_state(cfg, seed) for seed in (1, 2, 3)]
-    cluster = rollout.init(
-        path,
-        num_actors=2,
-        num_cpus_per_actor=1,
-        max_seq_len=128,
-        kv_cache_tokens=2048,
-        max_batch_size=64,
-        timeout_s=120,
-        stall_timeout_s=120,
-        device="cpu",
-    )
+    cluster = rollout.init(path, device="cpu", **SOAK_CLUSTER)
     try:
         report = soak(cluster, states, args.seconds, callers=args.callers, push_every=args.push_every)
     finally:

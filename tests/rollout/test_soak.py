@@ -7,23 +7,14 @@ from __future__ import annotations
 import pytest
 
 from rollout import INFLIGHT_MODES, RolloutCluster, RolloutOutput, Sample, SamplingParams
-from rollout.soak import check_output, growth, soak
+from rollout.soak import SOAK_CLUSTER, check_output, growth, soak
 from rollout.synthetic import qwen2_config, random_state
 
 CFG = qwen2_config(vocab=96, hidden=64, intermediate=112, layers=2, heads=4, kv_heads=2, max_positions=256)
 
 
 def test_short_soak(ray_session, qwen2):
-    cluster = RolloutCluster(
-        qwen2.path,
-        num_actors=2,
-        num_cpus_per_actor=1,
-        max_seq_len=128,
-        kv_cache_tokens=2048,
-        max_batch_size=64,
-        timeout_s=120,
-        stall_timeout_s=120,
-    )
+    cluster = RolloutCluster(qwen2.path, **SOAK_CLUSTER)
     try:
         report = soak(cluster, [random_state(CFG, s) for s in (1, 2, 3)], seconds=12, callers=4, push_every=0.5)
     finally:
