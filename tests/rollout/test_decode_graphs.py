@@ -4,6 +4,8 @@ any device; "cuda" captures it and runs where a GPU is present)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -107,9 +109,16 @@ def test_graph_steps_serve_weight_updates(qwen2):
     graphed.update_weights(state)
     eager = make_engine(qwen2.path, max_batch_size=12)
     eager.update_weights(state)
-    after = _flatten(_run(graphed))
+    runs = _run(graphed)
+    after = _flatten(runs)
     assert [t for _, t, _ in after] != [t for _, t, _ in before]
     _assert_same(after, _flatten(_run(eager)))
+    updated = copy.deepcopy(qwen2.hf)  # the independent reference: transformers with the pushed weights
+    updated.load_state_dict(state, strict=False)
+    for out in runs[0]:  # logprobs_mode="raw"
+        for s in out.samples:
+            ref = hf_logprobs(updated, out.prompt_token_ids, s.token_ids)
+            torch.testing.assert_close(torch.tensor(s.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
