@@ -1,13 +1,16 @@
 """Attention over the paged KV pool for one flattened step.
 
 A step's tokens are laid out prefill chunks first, then one token per
-decoding sequence. Prefill chunks attend per chunk (a few per step, long);
-decodes attend as one batch over their gathered pages. Masks are built once
-per step and window and shared by every layer.
+decoding sequence. Prefill chunks attend per chunk (a few per step, long).
+Decodes attend as one batch: through `decode_kernel` when the step has one
+(the compiled CPU kernel, `rollout.cpu_kernels`, reads each row's pages in
+place), else over pages gathered into a padded copy and SDPA. Masks are built
+once per step and window and shared by every layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +39,7 @@ class AttentionMetadata:
     num_decodes: int  # rows after the prefills: one token per decoding sequence
     decode_block_tables: torch.Tensor | None  # [num_decodes, P] pages of each decoding sequence
     decode_context_lens: torch.Tensor | None  # [num_decodes] tokens in context incl. the new one
+    decode_kernel: Callable[..., None] | None = None  # paged decode attention in place (cpu_kernels)
     _masks: dict = field(default_factory=dict)  # (kind, index, window) -> bool mask, built lazily
 
     def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
@@ -86,7 +90,11 @@ def paged_attention(
         out[rows] = _prefill(q[rows], layer, kv, span, meta.prefill_mask(i, window), scale)
     if meta.num_decodes:
         rows = slice(meta.num_prefill_tokens, meta.num_prefill_tokens + meta.num_decodes)
-        out[rows] = _decode(q[rows], layer, kv, meta, window, scale)
+        if meta.decode_kernel is not None:
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            meta.decode_kernel(q[rows], kv.k[layer], kv.v[layer], tables, lens, out[rows], scale, window or 0)
+        else:
+            out[rows] = _decode(q[rows], layer, kv, meta, window, scale)
     return out
 
 

@@ -17,6 +17,7 @@ import torch
 from workspace import DecodeCache, InferenceWorkspace, KVPool, PageAllocator, WorkspaceShape
 
 from .config import ModelConfig
+from .cpu_kernels import paged_decode_op
 from .decode_graphs import graph_stats
 from .engine_config import EngineConfig
 from .kv_manager import KVManager
@@ -85,7 +86,10 @@ class Engine:
     (tokens computed per step), `debug_decode_cache` (check the fast decode
     path against the host path every step), `decode_graphs` ("off"; "cuda":
     decode steps replayed from CUDA graphs; "eager": the same padded steps
-    without capture, see `rollout.decode_graphs`), `step_callback`.
+    without capture, see `rollout.decode_graphs`), `attention_backend`
+    ("auto": on the CPU the compiled paged-attention kernel of
+    `rollout.cpu_kernels` when it builds, else "sdpa"; "paged_cpu": that
+    kernel or an error; "sdpa": gathered pages and SDPA), `step_callback`.
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class Engine:
         max_step_tokens: int | None = None,
         debug_decode_cache: bool = False,
         decode_graphs: str = "off",
+        attention_backend: str = "auto",
         step_callback: Callable[[StepInfo], None] | None = None,
     ) -> None:
         self.model_config = ModelConfig.from_dir(model_path)
@@ -116,6 +121,7 @@ class Engine:
             page_size=page_size,
             max_step_tokens=max_step_tokens,
             decode_graphs=decode_graphs,
+            attention_backend=attention_backend,
         )
         self.config = cfg
         self.codec = TextCodec.from_dir(model_path, self.model_config.eos_token_ids)
@@ -148,7 +154,13 @@ class Engine:
         self.workspace = InferenceWorkspace(shape, cfg.device)
         self.decode_cache = DecodeCache(self.workspace, debug=debug_decode_cache)
         self.stepper = Stepper(
-            self.model, self.kv_pool, self.workspace, self.decode_cache, cfg.decode_graphs, scratch_page=cfg.num_pages
+            self.model,
+            self.kv_pool,
+            self.workspace,
+            self.decode_cache,
+            cfg.decode_graphs,
+            scratch_page=cfg.num_pages,
+            decode_kernel=paged_decode_op() if cfg.attention_backend == "paged_cpu" else None,
         )
         self.scheduler = Scheduler(
             KVManager(PageAllocator(cfg.num_pages, cfg.page_size)),

@@ -6,6 +6,8 @@ changes request state: the scheduler does, from the returned result.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from workspace import DecodeCache, DecodeRows, InferenceWorkspace, KVPool
@@ -23,7 +25,8 @@ _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_index", "
 class Stepper:
     """`decode_graphs` ("off", "eager" or "cuda", see `rollout.decode_graphs`)
     serves pure-decode steps from graphs; padding rows then write to
-    `scratch_page`, a KV page no sequence owns."""
+    `scratch_page`, a KV page no sequence owns. `decode_kernel` (see
+    `rollout.cpu_kernels`) attends decodes in place instead of gathering pages."""
 
     def __init__(
         self,
@@ -33,12 +36,14 @@ class Stepper:
         decode_cache: DecodeCache,
         decode_graphs: str = "off",
         scratch_page: int | None = None,
+        decode_kernel: Callable[..., None] | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.ws = workspace
         self.cache = decode_cache
         self.page_size = kv.page_size
+        self.decode_kernel = decode_kernel
         self._flags = (False, False, False)  # any_filter, any_greedy, all_greedy of the cached batch
         self.graphs = None
         if decode_graphs != "off":
@@ -109,6 +114,7 @@ class Stepper:
             num_decodes=n,
             decode_block_tables=self.ws.buffer("block_tables")[:n, : key.pages],
             decode_context_lens=self.ws.view("context_lens", n),
+            decode_kernel=self.decode_kernel,
         )
         logits = self.model(
             self.ws.view("input_ids", n), self.ws.view("positions", n), meta, self.kv, self.ws.view("logit_rows", n)
@@ -178,6 +184,7 @@ class Stepper:
             num_decodes=num_decodes,
             decode_block_tables=self.ws.upload_block_tables(decode_tables, width) if num_decodes else None,
             decode_context_lens=self.ws.view("context_lens", num_decodes) if num_decodes else None,
+            decode_kernel=self.decode_kernel,
         )
 
     def _sampling_batch(self, n: int, flags: tuple[bool, bool, bool]) -> SamplingBatch:

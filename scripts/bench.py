@@ -2,6 +2,9 @@
 """Throughput of the engine against transformers `generate()` on the
 `bench-25m` workload (DESIGN section 5), in one process and one run, plus
 the compute floor, a batch-1 latency row and a long-prompt prefill row.
+On the CPU the engine also runs with `attention_backend="sdpa"` (pages
+gathered, then SDPA) to show what the compiled decode kernel pays. Each side
+runs the whole workload once before it is timed (first-touch allocations).
 
     .venv/bin/python scripts/bench.py [--out runs/bench.json] [--skip-hf]
 
@@ -136,7 +139,7 @@ def run(args) -> dict:
     engine = Engine(tmp, device="cpu", max_batch_size=PROMPTS * N, max_seq_len=2048, kv_cache_tokens=64 * 1024)
     prompts = workload_prompts(PROMPTS, PROMPT_LEN)
     params = SamplingParams(n=N, max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=STOP_IDS, ignore_eos=True)
-    time_engine(engine, prompts[:2], SamplingParams(n=2, max_tokens=8))  # warm-up
+    time_engine(engine, prompts, params)  # warm-up: every side runs the whole workload once first
     results: dict = {"threads": torch.get_num_threads()}
     tokens, seconds = time_engine(engine, prompts, params)
     results["engine"] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
@@ -145,6 +148,23 @@ def run(args) -> dict:
     floor = rate / flops_per_token(int(avg_context))
     results["floor"] = {"gemm_flops_per_s": rate, "tokens_per_s": floor}
     results["engine"]["fraction_of_floor"] = results["engine"]["tokens_per_s"] / floor
+    results["engine"]["attention_backend"] = engine.config.attention_backend
+    if engine.config.attention_backend != "sdpa":  # the same engine over gathered pages and SDPA
+        gather = Engine(
+            tmp,
+            device="cpu",
+            max_batch_size=PROMPTS * N,
+            max_seq_len=2048,
+            kv_cache_tokens=64 * 1024,
+            attention_backend="sdpa",
+        )
+        time_engine(gather, prompts, params)
+        tokens, seconds = time_engine(gather, prompts, params)
+        results["engine_sdpa_decode"] = {
+            "tokens_per_s": tokens / seconds,
+            "fraction_of_floor": tokens / seconds / floor,
+        }
+        del gather
     one = SamplingParams(n=1, max_tokens=64, temperature=0.0, ignore_eos=True)
     tokens1, seconds1 = time_engine(engine, prompts[:1], one)
     results["engine_batch1_ms_per_token"] = 1000 * seconds1 / tokens1
@@ -152,7 +172,7 @@ def run(args) -> dict:
     _, prefill_s = time_engine(engine, long_prompt, SamplingParams(max_tokens=1, temperature=0.0))
     results["engine_prefill_1024_tokens_per_s"] = 1024 / prefill_s
     if not args.skip_hf:
-        time_hf(hf, prompts[:2], 1, 4)  # warm-up
+        time_hf(hf, prompts, N, MAX_TOKENS)  # warm-up
         tokens, seconds = time_hf(hf, prompts, N, MAX_TOKENS)
         results["transformers"] = {
             "tokens": tokens,
@@ -187,6 +207,9 @@ def print_table(r: dict) -> None:
             r.get("transformers_prefill_1024_tokens_per_s"),
         ),
     ]
+    if "engine_sdpa_decode" in r:
+        gathered = r["engine_sdpa_decode"]["tokens_per_s"]
+        rows.insert(1, ("  decode attention: SDPA", gathered, hf and hf["tokens_per_s"]))
     for name, ours, theirs in rows:
         ratio = f"{ours / theirs:8.2f}" if theirs else ""
         print(f"{name:28}{ours:12.2f}{(theirs or float('nan')):14.2f}{ratio}")

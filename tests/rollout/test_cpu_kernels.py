@@ -1,0 +1,168 @@
+"""The compiled CPU paged-attention kernel: values against a float64 recompute
+over the same pages, its input checks, its build cache, and the engine's
+choice of attention backend (with the fallback when nothing can be built)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import SamplingParams, cpu_kernels
+from rollout.cpu_kernels import KernelUnavailable, paged_decode_op
+from rollout.engine_config import _attention_backend
+from tests.conftest import make_engine
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale, window):
+    """Decode attention in float64, one row at a time, from the pages each row names."""
+    rows, hq, _ = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r in range(rows):
+        n = int(lens[r])
+        pages = tables[r, : -(-n // page_size)]
+        k = k_cache[pages].reshape(-1, hkv, k_cache.shape[3])[:n].double()
+        v = v_cache[pages].reshape(-1, hkv, v_cache.shape[3])[:n].double()
+        first = max(0, n - window) if window else 0
+        k, v = k[first:], v[first:]
+        for h in range(hq):
+            kv_head = h // (hq // hkv)
+            p = torch.softmax(k[:, kv_head] @ q[r, h].double() * scale, dim=0)
+            out[r, h] = p @ v[:, kv_head]
+    return out
+
+
+def random_case(rows, hq, hkv, dim, *, page_size=4, pages=64, dtype=torch.float32, seed=0, width_slack=2):
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(pages, page_size, hkv, dim, generator=g).to(dtype)
+    v_cache = torch.randn(pages, page_size, hkv, dim, generator=g).to(dtype)
+    lens = torch.randint(1, 6 * page_size, (rows,), generator=g)
+    lens[0] = 1
+    if rows > 1:
+        lens[1] = 3 * page_size  # ends exactly on a page boundary
+    width = int(-(-lens.max() // page_size)) + width_slack
+    # A wider buffer viewed down to `width` columns, as the workspace hands it over.
+    buffer = torch.randint(0, pages, (rows, width + 3), generator=g)
+    buffer[:, 1] = buffer[:, 0]  # rows may list one page twice and share pages with other rows
+    tables = buffer[:, :width]
+    # q and out are views with gaps between rows, as slices of the step's fused projections.
+    q = torch.randn(rows, hq + 2, dim, generator=g).to(dtype)[:, 1 : hq + 1]
+    out = torch.full((rows, hq + 2, dim), float("nan"), dtype=dtype)[:, 1 : hq + 1]
+    return q, k_cache, v_cache, tables, lens, out
+
+
+@pytest.mark.parametrize(
+    "rows, hq, hkv, dim, window",
+    [
+        (3, 4, 4, 64, 0),  # few rows: heads split across threads; no GQA
+        (17, 8, 2, 64, 0),  # many rows: whole rows per work item; GQA groups of 4
+        (17, 6, 3, 128, 7),  # sliding window
+        (5, 4, 2, 24, 0),  # a head size without a specialised loop
+        (9, 2, 1, 32, 100),  # window wider than any context
+    ],
+)
+def test_float32_matches_a_float64_recompute(rows, hq, hkv, dim, window):
+    q, k, v, tables, lens, out = random_case(rows, hq, hkv, dim, seed=rows + dim)
+    paged_decode_op()(q, k, v, tables, lens, out, dim**-0.5, window)
+    expected = reference(q, k, v, tables, lens, dim**-0.5, window)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+def test_half_precisions_accumulate_in_float32(dtype, atol):
+    q, k, v, tables, lens, out = random_case(11, 8, 4, 64, dtype=dtype, seed=3)
+    paged_decode_op()(q, k, v, tables, lens, out, 0.125, 0)
+    expected = reference(q, k, v, tables, lens, 0.125, 0)  # of the same rounded inputs
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=atol)
+
+
+def test_only_each_rows_own_pages_are_read():
+    """Poisoning every page a row does not own (and the padding past its length) changes nothing."""
+    q, k, v, tables, lens, out = random_case(6, 4, 2, 64, seed=5, width_slack=0)
+    paged_decode_op()(q, k, v, tables, lens, out, 0.125, 0)
+    expected = out.clone()
+    used = torch.zeros(k.shape[0] * k.shape[1], dtype=torch.bool)
+    for r in range(6):
+        n = int(lens[r])
+        slots = tables[r, torch.arange(n) // 4] * 4 + torch.arange(n) % 4
+        used[slots] = True
+    k.view(-1, 2, 64)[~used] = float("nan")
+    v.view(-1, 2, 64)[~used] = float("inf")
+    paged_decode_op()(q, k, v, tables, lens, out, 0.125, 0)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.update(lens=a["lens"].clone().fill_(0)), r"context_lens\[0\] = 0 must be in \[1, "),
+        (lambda a: a.update(lens=a["lens"] + 1000), r"block table width"),
+        (lambda a: a.update(tables=a["tables"].clone().fill_(64)), r"is not a page of the pool \(0..63\)"),
+        (lambda a: a.update(tables=a["tables"].int()), "must be int64"),
+        (lambda a: a.update(k=a["k"].double(), v=a["v"].double()), "share one dtype"),
+        (lambda a: a.update(q=a["q"][:, :3]), "must match q"),
+        (lambda a: a.update(q=a["q"][:, :3], out=a["out"][:, :3]), "multiple of kv_heads"),
+    ],
+)
+def test_bad_inputs_are_refused_before_anything_is_written(change, message):
+    q, k, v, tables, lens, out = random_case(4, 4, 2, 64)
+    args = dict(q=q, k=k, v=v, tables=tables, lens=lens, out=out)
+    change(args)
+    before = args["out"].clone()
+    with pytest.raises(RuntimeError, match=message):
+        paged_decode_op()(*args.values(), 0.125, 0)
+    assert torch.equal(args["out"].isnan(), before.isnan())
+
+
+def test_build_is_cached_by_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_KERNEL_DIR", str(tmp_path))
+    library = cpu_kernels._build()
+    assert library.parent == tmp_path and library.suffix == ".so"
+    built = library.stat().st_mtime_ns
+    assert cpu_kernels._build() == library and library.stat().st_mtime_ns == built  # reused, not rebuilt
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_without_a_compiler_auto_falls_back_and_paged_cpu_refuses(qwen2, tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_KERNEL_DIR", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    with pytest.raises(KernelUnavailable, match="no-such-compiler"):
+        make_engine(qwen2.path, attention_backend="paged_cpu")
+    with pytest.warns(RuntimeWarning, match="falls back to attention_backend='sdpa'"):
+        engine = make_engine(qwen2.path)
+    assert engine.config.attention_backend == "sdpa" and engine.stepper.decode_kernel is None
+    out = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].samples[0].token_ids) == 4
+
+
+def test_backend_choice_per_device():
+    assert _attention_backend("auto", torch.device("cuda")) == "sdpa"
+    assert _attention_backend("sdpa", torch.device("cpu")) == "sdpa"
+    assert _attention_backend("auto", torch.device("cpu")) == "paged_cpu"  # this machine compiles it
+    with pytest.raises(ValueError, match="needs device 'cpu'"):
+        _attention_backend("paged_cpu", torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"one of \('auto', 'paged_cpu', 'sdpa'\)"):
+        _attention_backend("flash", torch.device("cpu"))
+    with pytest.raises(TypeError, match="attention_backend must be a str"):
+        _attention_backend(None, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])  # mistral: sliding window, head_dim 32
+def test_engine_kernel_matches_the_gather_path(checkpoints, family):
+    """Same tokens and logprobs through both backends, with shared prompt pages
+    and preemption (a KV pool of 10 pages for 12 sequences of 3-5 pages)."""
+    params = SamplingParams(n=4, max_tokens=40, seed=1, ignore_eos=True)
+    prompts = [list(range(3, 3 + k)) for k in (5, 23, 40)]
+    results, preemptions = {}, {}
+    for backend in ("paged_cpu", "sdpa"):
+        engine = make_engine(checkpoints[family].path, attention_backend=backend, kv_cache_tokens=16 * 10)
+        assert engine.config.attention_backend == backend
+        results[backend] = engine.generate(prompts, params)
+        preemptions[backend] = engine.stats()["preemptions"]
+    assert preemptions["paged_cpu"] == preemptions["sdpa"] > 0
+    for ours, theirs in zip(results["paged_cpu"], results["sdpa"], strict=True):
+        for a, b in zip(ours.samples, theirs.samples, strict=True):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
