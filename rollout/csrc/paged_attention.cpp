@@ -4,10 +4,16 @@
 // table points at. The gather path (index_select of every row's pages, padded
 // to the widest row, then SDPA) copies each page once and reads it twice; this
 // kernel reads each key and value of each row's own context once, and nothing
-// past its length. Work items are (sequence, KV head): the query heads of one
-// GQA group share every key and value load. Scores are kept for the whole
-// context (two passes: softmax, then the weighted sum of values), so results
-// do not depend on how the pool is split into pages.
+// past its length. A work item is a whole sequence, streaming each token's
+// keys (all KV heads side by side) in order; with fewer sequences than 4 per
+// thread, items are (sequence, KV head) so every thread has work. Scores are
+// kept for the whole context (two passes: softmax, then the weighted sum of
+// values), so results do not depend on how the pool is split into pages.
+//
+// Measured on bench-25m shapes (63 rows of 113 tokens, 8 query / 4 KV heads,
+// head_dim 64, 2 threads): one head per item 1.53 ms per layer, whole rows
+// 0.60 ms, a vectorised exp (below) 0.54-0.61 ms; index_select + SDPA over the
+// same pages 4.2-4.5 ms.
 //
 // Built at first use by rollout/cpu_kernels.py and registered as
 // torch.ops.rollout.paged_decode.
@@ -18,10 +24,35 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
+
+// exp(x) for x <= 0, as softmax needs after subtracting the maximum: Cody-Waite
+// range reduction to 2^n * exp(r), |r| <= ln2/2, and Cephes' degree-6
+// polynomial (about 1 ulp). Plain arithmetic, so the compiler vectorizes the
+// loop that calls it; std::exp would run one value at a time. Inputs below
+// -87 return exp(-87) (~1.6e-38), which is 0 next to the maximum's 1.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
 
 // Dot product of a float query with one key row; D known at compile time unrolls it fully.
 template <int64_t D, typename scalar_t>
@@ -80,35 +111,37 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         const int64_t page = t / page_size, stop = std::min(len, (page + 1) * page_size);
         const scalar_t* key = k_data + table[page] * page_stride + (t - page * page_size) * token_stride +
                               head0 * head_dim;
-        for (; t < stop; ++t, key += token_stride, score += block_q) {
+        for (; t < stop; ++t, key += token_stride) {
           for (int64_t j = 0; j < block_q; ++j)
-            score[j] = dot<D>(query.data() + j * head_dim, key + (j / group) * head_dim, head_dim);
+            score[j * count + (t - first)] = dot<D>(query.data() + j * head_dim, key + (j / group) * head_dim, head_dim);
         }
       }
 
-      // Softmax per query head over its column of scores; normalised at the end.
+      // Softmax per query head over its row of scores; normalised at the end.
       for (int64_t j = 0; j < block_q; ++j) {
+        float* row_scores = score + j * count;
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < count; ++i) top = std::max(top, scores[i * block_q + j]);
+#pragma omp simd reduction(max : top)
+        for (int64_t i = 0; i < count; ++i) top = std::max(top, row_scores[i]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < count; ++i) {
-          float& e = scores[i * block_q + j];
-          e = std::exp(e - top);
-          sum += e;
+          row_scores[i] = exp_nonpositive(row_scores[i] - top);
+          sum += row_scores[i];
         }
         inv_sum[j] = 1.f / sum;
       }
 
       // Pass 2: the probability-weighted sum of values.
       std::fill(acc.begin(), acc.end(), 0.f);
-      score = scores.data();
       for (int64_t t = first; t < len;) {
         const int64_t page = t / page_size, stop = std::min(len, (page + 1) * page_size);
         const scalar_t* value = v_data + table[page] * page_stride + (t - page * page_size) * token_stride +
                                 head0 * head_dim;
-        for (; t < stop; ++t, value += token_stride, score += block_q) {
+        for (; t < stop; ++t, value += token_stride) {
           for (int64_t j = 0; j < block_q; ++j)
-            axpy<D>(score[j], value + (j / group) * head_dim, acc.data() + j * head_dim, head_dim);
+            axpy<D>(score[j * count + (t - first)], value + (j / group) * head_dim, acc.data() + j * head_dim,
+                    head_dim);
         }
       }
       for (int64_t j = 0; j < block_q; ++j) {
