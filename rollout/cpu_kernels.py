@@ -1,8 +1,12 @@
-"""The engine's compiled CPU kernel (`csrc/paged_attention.cpp`), built at first use.
+"""The engine's compiled CPU kernels (`csrc/`), built at first use.
 
-The source is compiled with the machine's C++ compiler (`$CXX`, else `c++`)
-against the installed torch into a shared library named by a hash of the
-source, the flags and the torch version, so a changed source or torch builds
+- `paged_decode`: decode attention read in place from the paged KV pool.
+- `rms_norm`, `add_rms_norm_`, `rope_and_cache_`, `silu_mul`: a decoder
+  layer's float32 elementwise steps, one op each instead of 2-14 torch ops.
+
+The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`)
+against the installed torch into one shared library named by a hash of the
+sources, the flags and the torch version, so a changed source or torch builds
 anew and an unchanged one loads in milliseconds. Libraries live in
 `$ROLLOUT_KERNEL_DIR`, else `$XDG_CACHE_HOME/rollout-engine/kernels` (default
 `~/.cache/...`). A file lock lets several processes (the actors of one node)
@@ -25,38 +29,45 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp"))
+HEADERS = (Path(__file__).with_name("csrc") / "vec_math.h",)
 _VECTOR_FLAGS = {
     "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "AVX2": ["-mavx2", "-mfma"],
 }
 _BUILD_TIMEOUT_S = 600
 _lock = threading.Lock()
-_loaded: dict[str, object] = {}  # "op" -> the loaded op, or "error" -> why it is unavailable
+_loaded: dict[str, object] = {}  # "ops" -> the loaded namespace, or "error" -> why it is unavailable
 
 
 class KernelUnavailable(RuntimeError):
-    """The CPU kernel could not be built or loaded (no compiler, a compile error)."""
+    """The CPU kernels could not be built or loaded (no compiler, a compile error)."""
 
 
-def paged_decode_op() -> Callable[..., None]:
-    """`torch.ops.rollout.paged_decode`, compiling it on first use.
+def cpu_ops():
+    """The `torch.ops.rollout` namespace, compiling the kernels on first use.
 
-    Signature: `(q [R, Hq, D], k_cache [pages, page_size, Hkv, D], v_cache,
+    `paged_decode(q [R, Hq, D], k_cache [pages, page_size, Hkv, D], v_cache,
     block_tables [R, P] int64, context_lens [R] int64, out [R, Hq, D], scale,
-    window)`; `window` 0 means no sliding window. Raises `KernelUnavailable`
-    with the reason (remembered for the process) when it cannot be built.
+    window)`, `window` 0 meaning none; the fused ops are documented in
+    `csrc/fused_ops.cpp`. Raises `KernelUnavailable` with the reason
+    (remembered for the process) when they cannot be built.
     """
     with _lock:
-        if "op" not in _loaded and "error" not in _loaded:
+        if "ops" not in _loaded and "error" not in _loaded:
             try:
                 torch.ops.load_library(str(_build()))
-                _loaded["op"] = torch.ops.rollout.paged_decode
+                _loaded["ops"] = torch.ops.rollout
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _loaded["error"] = f"{type(exc).__name__}: {exc}"
         if "error" in _loaded:
-            raise KernelUnavailable(f"the CPU paged-attention kernel is unavailable: {_loaded['error']}")
-        return _loaded["op"]
+            raise KernelUnavailable(f"the compiled CPU kernels are unavailable: {_loaded['error']}")
+        return _loaded["ops"]
+
+
+def paged_decode_op() -> Callable[..., None]:
+    """`cpu_ops().paged_decode`."""
+    return cpu_ops().paged_decode
 
 
 def kernel_dir() -> Path:
@@ -66,7 +77,7 @@ def kernel_dir() -> Path:
     return cache / "rollout-engine" / "kernels"
 
 
-def _command(source: Path, output: Path) -> list[str]:
+def _command(sources: tuple[Path, ...], output: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths  # imports setuptools: only when building
 
     torch_lib = Path(torch.__file__).parent / "lib"
@@ -74,14 +85,16 @@ def _command(source: Path, output: Path) -> list[str]:
     return [
         os.environ.get("CXX", "c++"),
         "-O3",
-        "-std=c++17",
+        "-std=c++20",
+        "-ffp-contract=off",  # no FMA contraction: fused_ops.cpp keeps the reference rounding
+        "-fno-trapping-math",  # no FP traps are used; lets clamps and floor in vec_math.h vectorize
         "-shared",
         "-fPIC",
         "-fopenmp",  # at::parallel_for runs on torch's own OpenMP pool (same libgomp soname)
         *vector,
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{p}" for p in include_paths()),
-        str(source),
+        *(str(s) for s in sources),
         "-o",
         str(output),
         f"-L{torch_lib}",
@@ -95,12 +108,13 @@ def _build() -> Path:
     """The library's path, compiled now unless an identical build exists."""
     capability = torch.backends.cpu.get_cpu_capability()
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), capability.encode()):
-        key.update(part)
+    for path in SOURCES + HEADERS:
+        key.update(path.read_bytes())
+    key.update(torch.__version__.encode() + capability.encode())
     key.update(" ".join(_VECTOR_FLAGS.get(capability, [])).encode())
     directory = kernel_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    library = directory / f"paged_attention_{key.hexdigest()[:16]}.so"
+    library = directory / f"rollout_cpu_{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
     with open(directory / (library.name + ".lock"), "w") as lock:
@@ -111,10 +125,10 @@ def _build() -> Path:
         os.close(fd)
         try:
             done = subprocess.run(
-                _command(SOURCE, Path(partial)), capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
+                _command(SOURCES, Path(partial)), capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
             )
             if done.returncode != 0:
-                raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr[-4000:]}")
+                raise RuntimeError(f"compiling {', '.join(s.name for s in SOURCES)} failed:\n{done.stderr[-4000:]}")
             os.replace(partial, library)  # atomic: readers see no library or a whole one
         finally:
             if os.path.exists(partial):

@@ -17,7 +17,7 @@ import torch
 from workspace import DecodeCache, InferenceWorkspace, KVPool, PageAllocator, WorkspaceShape
 
 from .config import ModelConfig
-from .cpu_kernels import paged_decode_op
+from .cpu_kernels import cpu_ops
 from .decode_graphs import graph_stats
 from .engine_config import EngineConfig
 from .kv_manager import KVManager
@@ -86,10 +86,10 @@ class Engine:
     (tokens computed per step), `debug_decode_cache` (check the fast decode
     path against the host path every step), `decode_graphs` ("off"; "cuda":
     decode steps replayed from CUDA graphs; "eager": the same padded steps
-    without capture, see `rollout.decode_graphs`), `attention_backend`
-    ("auto": on the CPU the compiled paged-attention kernel of
-    `rollout.cpu_kernels` when it builds, else "sdpa"; "paged_cpu": that
-    kernel or an error; "sdpa": gathered pages and SDPA), `step_callback`.
+    without capture, see `rollout.decode_graphs`), `kernels` ("auto": on
+    the CPU the compiled kernels of `rollout.cpu_kernels` when they build,
+    else "torch"; "compiled": those kernels or an error; "torch": torch ops
+    only, decode attention over gathered pages with SDPA), `step_callback`.
     """
 
     def __init__(
@@ -106,7 +106,7 @@ class Engine:
         max_step_tokens: int | None = None,
         debug_decode_cache: bool = False,
         decode_graphs: str = "off",
-        attention_backend: str = "auto",
+        kernels: str = "auto",
         step_callback: Callable[[StepInfo], None] | None = None,
     ) -> None:
         self.model_config = ModelConfig.from_dir(model_path)
@@ -121,11 +121,12 @@ class Engine:
             page_size=page_size,
             max_step_tokens=max_step_tokens,
             decode_graphs=decode_graphs,
-            attention_backend=attention_backend,
+            kernels=kernels,
         )
         self.config = cfg
         self.codec = TextCodec.from_dir(model_path, self.model_config.eos_token_ids)
-        self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len)
+        ops = cpu_ops() if cfg.kernels == "compiled" else None
+        self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len, cpu_ops=ops)
         load_checkpoint(self.model, model_path)
         self._build_runtime(debug_decode_cache)
         self._guard = PolicyVersionGuard(0)
@@ -160,7 +161,7 @@ class Engine:
             self.decode_cache,
             cfg.decode_graphs,
             scratch_page=cfg.num_pages,
-            decode_kernel=paged_decode_op() if cfg.attention_backend == "paged_cpu" else None,
+            decode_kernel=cpu_ops().paged_decode if cfg.kernels == "compiled" else None,
         )
         self.scheduler = Scheduler(
             KVManager(PageAllocator(cfg.num_pages, cfg.page_size)),

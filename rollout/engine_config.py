@@ -14,7 +14,7 @@ from .config import ModelConfig
 from .decode_graphs import MODES, resolve_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTION_BACKENDS = ("auto", "paged_cpu", "sdpa")
+KERNELS = ("auto", "compiled", "torch")
 # Share of free memory the default KV pool may take.
 _KV_SHARE_CUDA = 0.8
 _KV_SHARE_CPU = 0.25
@@ -31,7 +31,7 @@ class EngineConfig:
     max_step_tokens: int  # tokens computed per step (prefill chunk budget)
     seed: int  # seeds the per-request seeds of unseeded requests
     decode_graphs: str  # "off", "eager" or "cuda" (see rollout.decode_graphs)
-    attention_backend: str  # decode attention: "paged_cpu" (compiled kernel) or "sdpa" (gather + SDPA)
+    kernels: str  # "compiled" (rollout.cpu_kernels) or "torch" (torch ops: gathered pages + SDPA)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -51,7 +51,7 @@ class EngineConfig:
         page_size,
         max_step_tokens,
         decode_graphs="off",
-        attention_backend="auto",
+        kernels="auto",
     ) -> EngineConfig:
         dev = _device(device)
         graphs = resolve_mode(decode_graphs, dev) if isinstance(decode_graphs, str) else None
@@ -75,7 +75,7 @@ class EngineConfig:
         if kv_cache_tokens is None:
             kv_cache_tokens = _default_kv_tokens(mc, dev, dt, max_batch_size * max_seq_len)
         _int("kv_cache_tokens", kv_cache_tokens, page_size, "(at least one page)")
-        attention = _attention_backend(attention_backend, dev)  # last: it may compile the CPU kernel
+        kernel_choice = _kernels(kernels, dev)  # last: it may compile the CPU kernels
         return cls(
             device=dev,
             dtype=dt,
@@ -86,31 +86,31 @@ class EngineConfig:
             max_step_tokens=max_step_tokens,
             seed=seed,
             decode_graphs=graphs,
-            attention_backend=attention,
+            kernels=kernel_choice,
         )
 
 
-def _attention_backend(backend, dev: torch.device) -> str:
-    """ "auto" is the compiled kernel on the CPU when it builds (else "sdpa", with
-    a warning) and "sdpa" on CUDA; "paged_cpu" insists on the kernel."""
-    if not isinstance(backend, str):
-        raise TypeError(f"attention_backend must be a str, one of {ATTENTION_BACKENDS}, got {type(backend).__name__}")
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    if backend == "sdpa" or (backend == "auto" and dev.type != "cpu"):
-        return "sdpa"
+def _kernels(kernels, dev: torch.device) -> str:
+    """ "auto" is "compiled" on the CPU when the kernels build (else "torch", with
+    a warning) and "torch" on CUDA; "compiled" insists on the CPU kernels."""
+    if not isinstance(kernels, str):
+        raise TypeError(f"kernels must be a str, one of {KERNELS}, got {type(kernels).__name__}")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels == "torch" or (kernels == "auto" and dev.type != "cpu"):
+        return "torch"
     if dev.type != "cpu":
-        raise ValueError(f"attention_backend='paged_cpu' needs device 'cpu', got {dev}")
-    from .cpu_kernels import KernelUnavailable, paged_decode_op
+        raise ValueError(f"kernels='compiled' needs device 'cpu', got {dev}")
+    from .cpu_kernels import KernelUnavailable, cpu_ops
 
     try:
-        paged_decode_op()
+        cpu_ops()
     except KernelUnavailable as exc:
-        if backend == "paged_cpu":
+        if kernels == "compiled":
             raise
-        warnings.warn(f"{exc}; decode attention falls back to attention_backend='sdpa'", RuntimeWarning, stacklevel=4)
-        return "sdpa"
-    return "paged_cpu"
+        warnings.warn(f"{exc}; the engine falls back to kernels='torch'", RuntimeWarning, stacklevel=4)
+        return "torch"
+    return "compiled"
 
 
 def _int(name: str, value, low: int, extra: str = "") -> None:

@@ -69,11 +69,18 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    """Decoder weights plus the forward pass of one flattened step."""
+    """Decoder weights plus the forward pass of one flattened step.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int) -> None:
+    With `cpu_ops` (the compiled `rollout.cpu_kernels`) and float32 weights,
+    RMSNorm (fused with the residual add), rotary embedding with the KV write,
+    and SiLU-times-up each run as one op; other dtypes keep the torch ops,
+    whose bf16/fp16 rounding steps the reference shares.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int, cpu_ops=None) -> None:
         super().__init__()
         self.cfg = cfg
+        self._ops = cpu_ops if dtype == torch.float32 and torch.device(device).type == "cpu" else None
         self.embed = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = _empty(cfg.hidden_size, dtype=dtype, device=device)
@@ -97,12 +104,37 @@ class Model(nn.Module):
         `input_ids`, `positions`: `[T]`, the step's flattened tokens.
         """
         h = F.embedding(input_ids, self.embed)
-        for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), positions, meta, kv)
-            h = h + self._mlp(layer, rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps))
-        h = rms_norm(h.index_select(0, sample_rows), self.norm, self.cfg.rms_norm_eps)
+        eps = self.cfg.rms_norm_eps
+        if self._ops is not None:
+            h = self._fused_layers(h, positions, meta, kv)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, eps), positions, meta, kv)
+                h = h + self._mlp(layer, rms_norm(h, layer.post_norm, eps))
+        h = self._norm(h.index_select(0, sample_rows), self.norm)
         head = self.embed if self.lm_head is None else self.lm_head
         return F.linear(h, head).float()
+
+    def _fused_layers(self, h, positions, meta, kv) -> torch.Tensor:
+        """The layers with each residual add folded into the next RMSNorm; `h` is updated in place."""
+        eps, ops = self.cfg.rms_norm_eps, self._ops
+        x = torch.empty_like(h)
+        ops.rms_norm(h, self.layers[0].input_norm, eps, x)
+        for i, layer in enumerate(self.layers):
+            ops.add_rms_norm_(h, self._attention(i, layer, x, positions, meta, kv), layer.post_norm, eps, x)
+            mlp = self._mlp(layer, x)
+            if i + 1 < len(self.layers):
+                ops.add_rms_norm_(h, mlp, self.layers[i + 1].input_norm, eps, x)
+            else:
+                h += mlp
+        return h
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._ops is None:
+            return rms_norm(x, weight, self.cfg.rms_norm_eps)
+        out = torch.empty_like(x)
+        self._ops.rms_norm(x, weight, self.cfg.rms_norm_eps, out)
+        return out
 
     def _attention(self, i, layer, x, positions, meta, kv) -> torch.Tensor:
         cfg = self.cfg
@@ -115,15 +147,24 @@ class Model(nn.Module):
         if layer.q_norm is not None:
             q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q, k = self.rotary.apply(q, k, positions)
-        kv.write(i, meta.slot_mapping, k, v)
+        if self._ops is not None:  # rotates q in place, writes rotated k and v to the pool
+            rotary = self.rotary
+            self._ops.rope_and_cache_(q, k, v, positions, rotary.cos, rotary.sin, kv.k[i], kv.v[i], meta.slot_mapping)
+        else:
+            q, k = self.rotary.apply(q, k, positions)
+            kv.write(i, meta.slot_mapping, k, v)
         o = paged_attention(q, i, kv, meta, self.scale, cfg.sliding_windows[i])
         return F.linear(o.reshape(t, cfg.q_size), layer.o_proj, layer.o_bias)
 
-    @staticmethod
-    def _mlp(layer, x) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+    def _mlp(self, layer, x) -> torch.Tensor:
+        gate_up = F.linear(x, layer.gate_up)
+        if self._ops is not None:
+            act = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+            self._ops.silu_mul(gate_up, act)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return F.linear(act, layer.down)
 
     def weight_slots(self) -> dict[str, WeightSlot]:
         """Checkpoint (Hugging Face) tensor name -> where it lives here.

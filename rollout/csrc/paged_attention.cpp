@@ -12,7 +12,7 @@
 //
 // Measured on bench-25m shapes (63 rows of 113 tokens, 8 query / 4 KV heads,
 // head_dim 64, 2 threads): one head per item 1.53 ms per layer, whole rows
-// 0.60 ms, a vectorised exp (below) 0.54-0.61 ms; index_select + SDPA over the
+// 0.60 ms, a vectorised exp (vec_math.h) 0.54-0.61 ms; index_select + SDPA over the
 // same pages 4.2-4.5 ms.
 //
 // Built at first use by rollout/cpu_kernels.py and registered as
@@ -24,35 +24,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
-namespace {
+#include "vec_math.h"
 
-// exp(x) for x <= 0, as softmax needs after subtracting the maximum: Cody-Waite
-// range reduction to 2^n * exp(r), |r| <= ln2/2, and Cephes' degree-6
-// polynomial (about 1 ulp). Plain arithmetic, so the compiler vectorizes the
-// loop that calls it; std::exp would run one value at a time. Inputs below
-// -87 return exp(-87) (~1.6e-38), which is 0 next to the maximum's 1.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+namespace {
 
 // Dot product of a float query with one key row; D known at compile time unrolls it fully.
 template <int64_t D, typename scalar_t>
@@ -60,7 +37,7 @@ inline float dot(const float* __restrict q, const scalar_t* __restrict k, int64_
   const int64_t len = D > 0 ? D : n;
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < len; ++d) s += q[d] * static_cast<float>(k[d]);
+  for (int64_t d = 0; d < len; ++d) s = madd(q[d], static_cast<float>(k[d]), s);
   return s;
 }
 
@@ -68,7 +45,7 @@ template <int64_t D, typename scalar_t>
 inline void axpy(float p, const scalar_t* __restrict v, float* __restrict acc, int64_t n) {
   const int64_t len = D > 0 ? D : n;
 #pragma omp simd
-  for (int64_t d = 0; d < len; ++d) acc[d] += p * static_cast<float>(v[d]);
+  for (int64_t d = 0; d < len; ++d) acc[d] = madd(p, static_cast<float>(v[d]), acc[d]);
 }
 
 template <int64_t D, typename scalar_t>
@@ -126,7 +103,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < count; ++i) {
-          row_scores[i] = exp_nonpositive(row_scores[i] - top);
+          row_scores[i] = vec_exp(row_scores[i] - top);
           sum += row_scores[i];
         }
         inv_sum[j] = 1.f / sum;

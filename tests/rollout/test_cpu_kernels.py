@@ -1,6 +1,8 @@
-"""The compiled CPU paged-attention kernel: values against a float64 recompute
-over the same pages, its input checks, its build cache, and the engine's
-choice of attention backend (with the fallback when nothing can be built)."""
+"""The compiled CPU kernels: paged decode attention against a float64
+recompute over the same pages; the fused RMSNorm, rotary/KV-write and SiLU
+ops against the torch ops they replace and float64; input checks; the build
+cache; and the engine's choice of kernels (with the fallback when nothing can
+be built)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,14 @@ import pytest
 import torch
 
 from rollout import SamplingParams, cpu_kernels
-from rollout.cpu_kernels import KernelUnavailable, paged_decode_op
-from rollout.engine_config import _attention_backend
+from rollout.config import RopeConfig
+from rollout.cpu_kernels import KernelUnavailable, cpu_ops, paged_decode_op
+from rollout.engine_config import _kernels
+from rollout.model import rms_norm
+from rollout.rope import RotaryTable
 from tests.conftest import make_engine
+from tests.factories import FAMILIES
+from workspace import KVPool
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale, window):
@@ -124,45 +131,122 @@ def test_build_is_cached_by_content(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.partial"))
 
 
-def test_without_a_compiler_auto_falls_back_and_paged_cpu_refuses(qwen2, tmp_path, monkeypatch):
+def test_rms_norm_and_the_residual_add_match_torch():
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(37, 96, generator=g) * 3
+    delta = torch.randn(37, 200, generator=g)[:, 50:146]  # a view with a row stride
+    weight = torch.randn(96, generator=g)
+    out = torch.empty(37, 96)
+    cpu_ops().rms_norm(h, weight, 1e-6, out)
+    torch.testing.assert_close(out, rms_norm(h, weight, 1e-6), rtol=2e-6, atol=1e-6)
+    expected_h = h + delta
+    cpu_ops().add_rms_norm_(h, delta, weight, 1e-6, out)
+    assert torch.equal(h, expected_h)  # the residual is updated in place, bit for bit
+    x = expected_h.double()
+    reference = weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(out.double(), reference, rtol=2e-6, atol=1e-6)
+
+
+def test_rope_and_cache_matches_the_rotary_table_and_pool_write():
+    """q is rotated in place and rotated k and plain v land in the pool, bit for bit as the torch path."""
+    g = torch.Generator().manual_seed(8)
+    tokens, hq, hkv, dim = 13, 6, 2, 32
+    table = RotaryTable(RopeConfig(theta=10000.0, type="default"), dim, 64, torch.float32, "cpu")
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * dim, generator=g)
+    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+    q, k, v = q.view(tokens, hq, dim), k.view(tokens, hkv, dim), v.view(tokens, hkv, dim)
+    positions = torch.randint(0, 64, (tokens,), generator=g)
+    slots = torch.randperm(5 * 4, generator=g)[:tokens]
+    pools = [
+        KVPool(
+            num_layers=2, num_pages=5, page_size=4, num_kv_heads=hkv, head_dim=dim, dtype=torch.float32, device="cpu"
+        )
+        for _ in range(2)
+    ]
+    q_ref, k_ref = table.apply(q, k, positions)
+    pools[0].write(1, slots, k_ref, v)
+    cpu_ops().rope_and_cache_(q, k, v, positions, table.cos, table.sin, pools[1].k[1], pools[1].v[1], slots)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(pools[1].k, pools[0].k) and torch.equal(pools[1].v, pools[0].v)
+
+
+@pytest.mark.parametrize(
+    "positions, slots, message",
+    [
+        ([0, 64], [0, 1], r"positions\[1\] = 64 is outside the table \(0..63\)"),
+        ([0, 1], [0, 20], r"slots\[1\] = 20 is outside the pool \(0..19\)"),
+    ],
+)
+def test_rope_and_cache_refuses_indices_outside_before_writing(positions, slots, message):
+    table = RotaryTable(RopeConfig(theta=10000.0, type="default"), 8, 64, torch.float32, "cpu")
+    q, k, v = torch.ones(2, 2, 8), torch.ones(2, 1, 8), torch.ones(2, 1, 8)
+    k_cache, v_cache = torch.zeros(5, 4, 1, 8), torch.zeros(5, 4, 1, 8)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_ops().rope_and_cache_(
+            q, k, v, torch.tensor(positions), table.cos, table.sin, k_cache, v_cache, torch.tensor(slots)
+        )
+    assert torch.equal(q, torch.ones(2, 2, 8)) and not k_cache.any() and not v_cache.any()
+
+
+def test_silu_mul_matches_float64_over_a_wide_range():
+    gate = torch.linspace(-120, 120, 1001)
+    up = torch.randn(1001, generator=torch.Generator().manual_seed(9))
+    gate_up = torch.stack([torch.cat([gate, up]), torch.cat([-gate, up])])
+    out = torch.empty(2, 1001)
+    cpu_ops().silu_mul(gate_up, out)
+    g64, u64 = gate_up[:, :1001].double(), gate_up[:, 1001:].double()
+    torch.testing.assert_close(out.double(), g64 * torch.sigmoid(g64) * u64, rtol=3e-6, atol=1e-30)
+    torch.testing.assert_close(
+        out, torch.nn.functional.silu(gate_up[:, :1001]) * gate_up[:, 1001:], rtol=3e-6, atol=1e-30
+    )
+
+
+def test_without_a_compiler_auto_falls_back_and_compiled_refuses(qwen2, tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLOUT_KERNEL_DIR", str(tmp_path))  # nothing built there
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     with pytest.raises(KernelUnavailable, match="no-such-compiler"):
-        make_engine(qwen2.path, attention_backend="paged_cpu")
-    with pytest.warns(RuntimeWarning, match="falls back to attention_backend='sdpa'"):
+        make_engine(qwen2.path, kernels="compiled")
+    with pytest.warns(RuntimeWarning, match="falls back to kernels='torch'"):
         engine = make_engine(qwen2.path)
-    assert engine.config.attention_backend == "sdpa" and engine.stepper.decode_kernel is None
+    assert engine.config.kernels == "torch" and engine.stepper.decode_kernel is None and engine.model._ops is None
     out = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].samples[0].token_ids) == 4
 
 
-def test_backend_choice_per_device():
-    assert _attention_backend("auto", torch.device("cuda")) == "sdpa"
-    assert _attention_backend("sdpa", torch.device("cpu")) == "sdpa"
-    assert _attention_backend("auto", torch.device("cpu")) == "paged_cpu"  # this machine compiles it
+def test_kernel_choice_per_device():
+    assert _kernels("auto", torch.device("cuda")) == "torch"
+    assert _kernels("torch", torch.device("cpu")) == "torch"
+    assert _kernels("auto", torch.device("cpu")) == "compiled"  # this machine compiles them
     with pytest.raises(ValueError, match="needs device 'cpu'"):
-        _attention_backend("paged_cpu", torch.device("cuda"))
-    with pytest.raises(ValueError, match=r"one of \('auto', 'paged_cpu', 'sdpa'\)"):
-        _attention_backend("flash", torch.device("cpu"))
-    with pytest.raises(TypeError, match="attention_backend must be a str"):
-        _attention_backend(None, torch.device("cpu"))
+        _kernels("compiled", torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"one of \('auto', 'compiled', 'torch'\)"):
+        _kernels("fast", torch.device("cpu"))
+    with pytest.raises(TypeError, match="kernels must be a str"):
+        _kernels(None, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])  # mistral: sliding window, head_dim 32
-def test_engine_kernel_matches_the_gather_path(checkpoints, family):
-    """Same tokens and logprobs through both backends, with shared prompt pages
+@pytest.mark.parametrize("family", FAMILIES)  # qwen3: q/k norms; mistral: sliding window, head_dim 32
+def test_engine_compiled_kernels_match_the_torch_path(checkpoints, family):
+    """Same tokens and logprobs through both paths, with shared prompt pages
     and preemption (a KV pool of 10 pages for 12 sequences of 3-5 pages)."""
     params = SamplingParams(n=4, max_tokens=40, seed=1, ignore_eos=True)
     prompts = [list(range(3, 3 + k)) for k in (5, 23, 40)]
     results, preemptions = {}, {}
-    for backend in ("paged_cpu", "sdpa"):
-        engine = make_engine(checkpoints[family].path, attention_backend=backend, kv_cache_tokens=16 * 10)
-        assert engine.config.attention_backend == backend
-        results[backend] = engine.generate(prompts, params)
-        preemptions[backend] = engine.stats()["preemptions"]
-    assert preemptions["paged_cpu"] == preemptions["sdpa"] > 0
-    for ours, theirs in zip(results["paged_cpu"], results["sdpa"], strict=True):
+    for kernels in ("compiled", "torch"):
+        engine = make_engine(checkpoints[family].path, kernels=kernels, kv_cache_tokens=16 * 10)
+        assert engine.config.kernels == kernels and (engine.model._ops is not None) == (kernels == "compiled")
+        results[kernels] = engine.generate(prompts, params)
+        preemptions[kernels] = engine.stats()["preemptions"]
+    assert preemptions["compiled"] == preemptions["torch"] > 0
+    for ours, theirs in zip(results["compiled"], results["torch"], strict=True):
         for a, b in zip(ours.samples, theirs.samples, strict=True):
             assert a.token_ids == b.token_ids
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
+def test_half_precision_engines_keep_the_torch_elementwise_ops(qwen2):
+    """bf16 keeps the reference's rounding steps: only decode attention is compiled."""
+    engine = make_engine(qwen2.path, dtype="bfloat16")
+    assert engine.config.kernels == "compiled" and engine.stepper.decode_kernel is not None
+    assert engine.model._ops is None

@@ -1,0 +1,37 @@
+// Scalar math written so that loops calling it vectorise (std::exp runs one
+// value at a time); shared by the CPU kernels.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+// a * b + c, fused where the target has FMA. The kernels build with
+// -ffp-contract=off, so only the products written with madd are fused.
+inline float madd(float a, float b, float c) {
+#ifdef __FMA__
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// exp(x) to about 1 ulp: Cody-Waite range reduction to 2^n * exp(r),
+// |r| <= ln2/2, and Cephes' degree-6 polynomial. x is clamped to [-87, 88]:
+// below, the result (~1.6e-38 instead of less) is 0 next to any softmax
+// maximum or silu's 1 + exp(-x); above, float32 overflows anyway.
+inline float vec_exp(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = madd(n, -0.693359375f, x);
+  r = madd(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = madd(p, r, 1.3981999507e-3f);
+  p = madd(p, r, 8.3334519073e-3f);
+  p = madd(p, r, 4.1665795894e-2f);
+  p = madd(p, r, 1.6666665459e-1f);
+  p = madd(p, r, 5.0000001201e-1f);
+  p = madd(p * r, r, r + 1.f);
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
