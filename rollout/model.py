@@ -7,6 +7,8 @@ the loader and weight updates both use.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,35 @@ class WeightSlot:
         """This slot's rows of `tensor` (default: the live parameter)."""
         target = self.param if tensor is None else tensor
         return target.narrow(0, self.start, self.rows)
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` through oneDNN's matmul (the op torch's own compiler emits for CPU linears)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def pick_linear(in_features: int, out_features: int, rows: int = 64) -> tuple[str, Callable]:
+    """The faster float32 CPU linear for this shape: torch's BLAS (`F.linear`,
+    MKL on x86) or oneDNN, timed alternately on the model's widest projection.
+
+    MKL takes its AVX2 code on AMD processors; oneDNN uses AVX-512 there. On
+    the 2-core EPYC this was written on, oneDNN ran the bench-25m projections
+    at 370-440 GFLOP/s against MKL's 150-185.
+    """
+    x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+    try:
+        if not torch.allclose(onednn_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4):
+            return "blas", F.linear
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return "blas", F.linear
+    best = {"blas": float("inf"), "onednn": float("inf")}
+    for _ in range(5):
+        for name, fn in (("blas", F.linear), ("onednn", onednn_linear)):
+            start = time.perf_counter()
+            for _ in range(3):
+                fn(x, w)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return ("onednn", onednn_linear) if best["onednn"] < best["blas"] else ("blas", F.linear)
 
 
 def _empty(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -73,14 +104,20 @@ class Model(nn.Module):
 
     With `cpu_ops` (the compiled `rollout.cpu_kernels`) and float32 weights,
     RMSNorm (fused with the residual add), rotary embedding with the KV write,
-    and SiLU-times-up each run as one op; other dtypes keep the torch ops,
-    whose bf16/fp16 rounding steps the reference shares.
+    and SiLU-times-up each run as one op, and projections run on the faster
+    of torch's BLAS and oneDNN (`pick_linear`, named by `self.gemm`); other
+    dtypes keep the torch ops, whose bf16/fp16 rounding steps the reference
+    shares.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int, cpu_ops=None) -> None:
         super().__init__()
         self.cfg = cfg
         self._ops = cpu_ops if dtype == torch.float32 and torch.device(device).type == "cpu" else None
+        self.gemm, self._linear = "torch", F.linear
+        if self._ops is not None:
+            width = max(cfg.q_size + 2 * cfg.kv_size, 2 * cfg.intermediate_size, cfg.vocab_size)
+            self.gemm, self._linear = pick_linear(cfg.hidden_size, width)
         self.embed = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = _empty(cfg.hidden_size, dtype=dtype, device=device)
@@ -113,7 +150,7 @@ class Model(nn.Module):
                 h = h + self._mlp(layer, rms_norm(h, layer.post_norm, eps))
         h = self._norm(h.index_select(0, sample_rows), self.norm)
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(h, head).float()
+        return self._linear(h, head).float()
 
     def _fused_layers(self, h, positions, meta, kv) -> torch.Tensor:
         """The layers with each residual add folded into the next RMSNorm; `h` is updated in place."""
@@ -139,7 +176,7 @@ class Model(nn.Module):
     def _attention(self, i, layer, x, positions, meta, kv) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self._linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -154,17 +191,17 @@ class Model(nn.Module):
             q, k = self.rotary.apply(q, k, positions)
             kv.write(i, meta.slot_mapping, k, v)
         o = paged_attention(q, i, kv, meta, self.scale, cfg.sliding_windows[i])
-        return F.linear(o.reshape(t, cfg.q_size), layer.o_proj, layer.o_bias)
+        return self._linear(o.reshape(t, cfg.q_size), layer.o_proj, layer.o_bias)
 
     def _mlp(self, layer, x) -> torch.Tensor:
-        gate_up = F.linear(x, layer.gate_up)
+        gate_up = self._linear(x, layer.gate_up)
         if self._ops is not None:
             act = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
             self._ops.silu_mul(gate_up, act)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return F.linear(act, layer.down)
+        return self._linear(act, layer.down)
 
     def weight_slots(self) -> dict[str, WeightSlot]:
         """Checkpoint (Hugging Face) tensor name -> where it lives here.

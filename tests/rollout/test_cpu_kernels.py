@@ -13,7 +13,7 @@ from rollout import SamplingParams, cpu_kernels
 from rollout.config import RopeConfig
 from rollout.cpu_kernels import KernelUnavailable, cpu_ops, paged_decode_op
 from rollout.engine_config import _kernels
-from rollout.model import rms_norm
+from rollout.model import onednn_linear, pick_linear, rms_norm
 from rollout.rope import RotaryTable
 from tests.conftest import make_engine
 from tests.factories import FAMILIES
@@ -250,3 +250,23 @@ def test_half_precision_engines_keep_the_torch_elementwise_ops(qwen2):
     engine = make_engine(qwen2.path, dtype="bfloat16")
     assert engine.config.kernels == "compiled" and engine.stepper.decode_kernel is not None
     assert engine.model._ops is None
+
+
+def test_onednn_linear_matches_a_float64_recompute():
+    g = torch.Generator().manual_seed(10)
+    x, w, b = torch.randn(37, 96, generator=g), torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
+    expected = x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(onednn_linear(x, w, b).double(), expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(onednn_linear(x, w).double(), expected - b.double(), rtol=0, atol=1e-4)
+
+
+def test_the_picked_linear_is_one_of_the_two_and_computes_a_linear():
+    name, linear = pick_linear(64, 128, rows=8)
+    assert (name, linear) in {("blas", torch.nn.functional.linear), ("onednn", onednn_linear)}
+    x, w = torch.randn(5, 64), torch.randn(128, 64)
+    torch.testing.assert_close(linear(x, w).double(), x.double() @ w.double().T, rtol=0, atol=1e-4)
+
+
+def test_engines_name_their_gemm(qwen2):
+    assert make_engine(qwen2.path).model.gemm in ("blas", "onednn")
+    assert make_engine(qwen2.path, kernels="torch").model.gemm == "torch"
