@@ -77,24 +77,35 @@ def kernel_dir() -> Path:
     return cache / "rollout-engine" / "kernels"
 
 
-def _command(sources: tuple[Path, ...], output: Path) -> list[str]:
-    from torch.utils.cpp_extension import include_paths  # imports setuptools: only when building
-
-    torch_lib = Path(torch.__file__).parent / "lib"
-    vector = _VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+def _flags() -> list[str]:
+    """Compile flags, paths aside; part of the library's content hash."""
     return [
-        os.environ.get("CXX", "c++"),
         "-O3",
         "-std=c++20",
         "-ffp-contract=off",  # no FMA contraction: fused_ops.cpp keeps the reference rounding
         "-fno-trapping-math",  # no FP traps are used; lets clamps and floor in vec_math.h vectorize
-        "-shared",
         "-fPIC",
         "-fopenmp",  # at::parallel_for runs on torch's own OpenMP pool (same libgomp soname)
-        *vector,
+        *_VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), []),
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *(f"-I{p}" for p in include_paths()),
-        *(str(s) for s in sources),
+    ]
+
+
+def _compile_command(source: Path, output: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths  # imports setuptools: only when building
+
+    cxx = os.environ.get("CXX", "c++")
+    return [cxx, *_flags(), *(f"-I{p}" for p in include_paths()), "-c", str(source), "-o", str(output)]
+
+
+def _link_command(objects: list[Path], output: Path) -> list[str]:
+    torch_lib = Path(torch.__file__).parent / "lib"
+    cxx = os.environ.get("CXX", "c++")
+    return [
+        cxx,
+        "-shared",
+        "-fopenmp",
+        *(str(o) for o in objects),
         "-o",
         str(output),
         f"-L{torch_lib}",
@@ -104,14 +115,32 @@ def _command(sources: tuple[Path, ...], output: Path) -> list[str]:
     ]
 
 
+def _run(commands: dict[str, list[str]]) -> None:
+    """Runs the commands (by label) side by side; raises with the compiler's output if any fails."""
+    procs = {
+        label: subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for label, c in commands.items()
+    }
+    failures = []
+    try:
+        for label, proc in procs.items():
+            _, err = proc.communicate(timeout=_BUILD_TIMEOUT_S)
+            if proc.returncode != 0:
+                failures.append(f"{label}:\n{err[-4000:]}")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    if failures:
+        raise RuntimeError("building the CPU kernels failed: " + "\n".join(failures))
+
+
 def _build() -> Path:
     """The library's path, compiled now unless an identical build exists."""
-    capability = torch.backends.cpu.get_cpu_capability()
     key = hashlib.sha256()
     for path in SOURCES + HEADERS:
         key.update(path.read_bytes())
-    key.update(torch.__version__.encode() + capability.encode())
-    key.update(" ".join(_VECTOR_FLAGS.get(capability, [])).encode())
+    key.update(" ".join([torch.__version__, *_flags()]).encode())
     directory = kernel_dir()
     directory.mkdir(parents=True, exist_ok=True)
     library = directory / f"rollout_cpu_{key.hexdigest()[:16]}.so"
@@ -121,16 +150,10 @@ def _build() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be compiling the same library
         if library.exists():
             return library
-        fd, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
-        os.close(fd)
-        try:
-            done = subprocess.run(
-                _command(SOURCES, Path(partial)), capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"compiling {', '.join(s.name for s in SOURCES)} failed:\n{done.stderr[-4000:]}")
+        with tempfile.TemporaryDirectory(dir=directory, prefix="build-") as work:
+            objects = [Path(work) / f"{source.stem}.o" for source in SOURCES]
+            _run({s.name: _compile_command(s, o) for s, o in zip(SOURCES, objects, strict=True)})  # in parallel
+            partial = Path(work) / library.name
+            _run({"linking": _link_command(objects, partial)})
             os.replace(partial, library)  # atomic: readers see no library or a whole one
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
     return library

@@ -2,10 +2,11 @@
 //
 // At decode batch sizes each of these tensors is a few hundred KB, so the
 // torch versions cost more in per-op dispatch and temporaries than in
-// arithmetic: RMSNorm is 7 ops, rotary embedding plus the KV write 14. Each
-// op here keeps the reference's order of float32 operations (built
-// with -ffp-contract=off: no FMA contraction), so results match
-// the torch path to the last bit or within a rounding of the reduction order.
+// arithmetic: RMSNorm is 7 ops, rotary embedding plus the KV write 14. The
+// library is built with -ffp-contract=off, so only products written with
+// madd (vec_math.h) are fused: the rotary embedding and the residual add
+// match the torch path bit for bit; RMSNorm (summation order) and SiLU (its
+// exp) differ from it by float32 rounding.
 //
 // Built with paged_attention.cpp into one library by rollout/cpu_kernels.py.
 
