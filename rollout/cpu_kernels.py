@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import shlex
 import subprocess
 import tempfile
 import threading
@@ -78,7 +79,8 @@ def kernel_dir() -> Path:
 
 
 def _flags() -> list[str]:
-    """Compile flags, paths aside; part of the library's content hash."""
+    """Compile flags, paths aside; part of the library's content hash, as are the
+    compiler and `_LINK_FLAGS`."""
     return [
         "-O3",
         "-std=c++20",
@@ -91,28 +93,24 @@ def _flags() -> list[str]:
     ]
 
 
+def _compiler() -> list[str]:
+    """`$CXX` split like a shell would (`ccache g++` works), else `c++`."""
+    return shlex.split(os.environ.get("CXX") or "c++")
+
+
+_LINK_FLAGS = ["-shared", "-fopenmp", "-lc10", "-ltorch_cpu"]  # after the objects: libraries resolve in order
+
+
 def _compile_command(source: Path, output: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths  # imports setuptools: only when building
 
-    cxx = os.environ.get("CXX", "c++")
-    return [cxx, *_flags(), *(f"-I{p}" for p in include_paths()), "-c", str(source), "-o", str(output)]
+    return [*_compiler(), *_flags(), *(f"-I{p}" for p in include_paths()), "-c", str(source), "-o", str(output)]
 
 
 def _link_command(objects: list[Path], output: Path) -> list[str]:
     torch_lib = Path(torch.__file__).parent / "lib"
-    cxx = os.environ.get("CXX", "c++")
-    return [
-        cxx,
-        "-shared",
-        "-fopenmp",
-        *(str(o) for o in objects),
-        "-o",
-        str(output),
-        f"-L{torch_lib}",
-        "-lc10",
-        "-ltorch_cpu",
-        f"-Wl,-rpath,{torch_lib}",
-    ]
+    objects_out = [*(str(o) for o in objects), "-o", str(output)]
+    return [*_compiler(), *objects_out, f"-L{torch_lib}", *_LINK_FLAGS, f"-Wl,-rpath,{torch_lib}"]
 
 
 def _run(commands: dict[str, list[str]]) -> None:
@@ -140,7 +138,7 @@ def _build() -> Path:
     key = hashlib.sha256()
     for path in SOURCES + HEADERS:
         key.update(path.read_bytes())
-    key.update(" ".join([torch.__version__, *_flags()]).encode())
+    key.update(" ".join([torch.__version__, *_compiler(), *_flags(), *_LINK_FLAGS]).encode())
     directory = kernel_dir()
     directory.mkdir(parents=True, exist_ok=True)
     library = directory / f"rollout_cpu_{key.hexdigest()[:16]}.so"

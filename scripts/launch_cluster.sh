@@ -15,7 +15,7 @@
 # executes code sent to it, as its own documentation warns.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-RAY="${RAY:-$ROOT/.venv/bin/ray}"
+RAY="${RAY:-${ROLLOUT_VENV:-$ROOT/.venv}/bin/ray}"  # the venv scripts/_env.sh set up
 [ -x "$RAY" ] || RAY="$(command -v ray)"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 

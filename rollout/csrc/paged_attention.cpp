@@ -158,6 +158,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
               "q, k_cache, v_cache and out must share one dtype");
   TORCH_CHECK(out.sizes() == q.sizes(), "out ", out.sizes(), " must match q ", q.sizes());
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out must be contiguous in head_dim");
+  TORCH_CHECK(k_cache.size(1) > 0 && k_cache.size(2) > 0 && k_cache.size(3) > 0,
+              "k_cache needs a page_size, kv_heads and head_dim of at least 1, got ", k_cache.sizes());
   TORCH_CHECK(q.size(2) == k_cache.size(3), "q head_dim ", q.size(2), " != k_cache head_dim ", k_cache.size(3));
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "q_heads ", q.size(1), " must be a multiple of kv_heads ",
               k_cache.size(2));

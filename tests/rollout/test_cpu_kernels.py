@@ -110,6 +110,7 @@ def test_only_each_rows_own_pages_are_read():
         (lambda a: a.update(k=a["k"].double(), v=a["v"].double()), "share one dtype"),
         (lambda a: a.update(q=a["q"][:, :3]), "must match q"),
         (lambda a: a.update(q=a["q"][:, :3], out=a["out"][:, :3]), "multiple of kv_heads"),
+        (lambda a: a.update(k=a["k"][:, :, :0], v=a["v"][:, :, :0]), "kv_heads and head_dim of at least 1"),
     ],
 )
 def test_bad_inputs_are_refused_before_anything_is_written(change, message):
@@ -260,13 +261,30 @@ def test_onednn_linear_matches_a_float64_recompute():
     torch.testing.assert_close(onednn_linear(x, w).double(), expected - b.double(), rtol=0, atol=1e-4)
 
 
-def test_the_picked_linear_is_one_of_the_two_and_computes_a_linear():
-    name, linear = pick_linear(64, 128, rows=8)
-    assert (name, linear) in {("blas", torch.nn.functional.linear), ("onednn", onednn_linear)}
+def test_the_picked_linear_computes_a_linear_without_touching_the_global_rng():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    name, linear = pick_linear(64)
+    assert torch.equal(torch.rand(3), expected)
+    assert (name, linear) == (
+        ("onednn", onednn_linear) if torch.backends.mkldnn.is_available() else ("blas", torch.nn.functional.linear)
+    )
     x, w = torch.randn(5, 64), torch.randn(128, 64)
     torch.testing.assert_close(linear(x, w).double(), x.double() @ w.double().T, rtol=0, atol=1e-4)
 
 
-def test_engines_name_their_gemm(qwen2):
+def test_engines_name_their_gemm_and_leave_the_global_rng_alone(qwen2):
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
     assert make_engine(qwen2.path).model.gemm in ("blas", "onednn")
+    assert torch.equal(torch.rand(3), expected)
     assert make_engine(qwen2.path, kernels="torch").model.gemm == "torch"
+
+
+def test_a_compiler_with_arguments_is_split_like_a_shell(monkeypatch):
+    monkeypatch.setenv("CXX", "ccache g++ -pipe")
+    assert cpu_kernels._compiler() == ["ccache", "g++", "-pipe"]
+    monkeypatch.delenv("CXX")
+    assert cpu_kernels._compiler() == ["c++"]
