@@ -83,17 +83,22 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       }
       scores.resize(block_q * count);
       float* score = scores.data();
-
-      // Pass 1: every query head of the block against every key, token by token.
-      for (int64_t t = first; t < len;) {
-        const int64_t page = t / page_size, stop = std::min(len, (page + 1) * page_size);
-        const scalar_t* key = k_data + table[page] * page_stride + (t - page * page_size) * token_stride +
-                              head0 * head_dim;
-        for (; t < stop; ++t, key += token_stride) {
-          for (int64_t j = 0; j < block_q; ++j)
-            score[j * count + (t - first)] = dot<D>(query.data() + j * head_dim, key + (j / group) * head_dim, head_dim);
+      // Calls fn(i, vectors) for the tokens first + i of this row, in order, with `vectors`
+      // pointing at the block's first head in `pool` (keys or values), page by page.
+      auto each_token = [&](const scalar_t* pool, auto&& fn) {
+        for (int64_t t = first; t < len;) {
+          const int64_t page = t / page_size, stop = std::min(len, (page + 1) * page_size);
+          const scalar_t* vectors =
+              pool + table[page] * page_stride + (t - page * page_size) * token_stride + head0 * head_dim;
+          for (; t < stop; ++t, vectors += token_stride) fn(t - first, vectors);
         }
-      }
+      };
+
+      // Pass 1: every query head of the block against every key.
+      each_token(k_data, [&](int64_t i, const scalar_t* key) {
+        for (int64_t j = 0; j < block_q; ++j)
+          score[j * count + i] = dot<D>(query.data() + j * head_dim, key + (j / group) * head_dim, head_dim);
+      });
 
       // Softmax per query head over its row of scores; normalised at the end.
       for (int64_t j = 0; j < block_q; ++j) {
@@ -112,16 +117,10 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 
       // Pass 2: the probability-weighted sum of values.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = first; t < len;) {
-        const int64_t page = t / page_size, stop = std::min(len, (page + 1) * page_size);
-        const scalar_t* value = v_data + table[page] * page_stride + (t - page * page_size) * token_stride +
-                                head0 * head_dim;
-        for (; t < stop; ++t, value += token_stride) {
-          for (int64_t j = 0; j < block_q; ++j)
-            axpy<D>(score[j * count + (t - first)], value + (j / group) * head_dim, acc.data() + j * head_dim,
-                    head_dim);
-        }
-      }
+      each_token(v_data, [&](int64_t i, const scalar_t* value) {
+        for (int64_t j = 0; j < block_q; ++j)
+          axpy<D>(score[j * count + i], value + (j / group) * head_dim, acc.data() + j * head_dim, head_dim);
+      });
       for (int64_t j = 0; j < block_q; ++j) {
         scalar_t* dst = out_data + row * out_row + (head0 * group + j) * out_head;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[j * head_dim + d] * inv_sum[j]);
