@@ -7,7 +7,8 @@ pages gathered for SDPA, unfused norms, rotary and SiLU, torch's BLAS) to
 show what the compiled kernels of `rollout.cpu_kernels` and the GEMM choice
 pay. The floor uses the faster of torch's BLAS and oneDNN, both measured
 here. Each side runs the whole workload once before it is timed
-(first-touch allocations).
+(first-touch allocations); then `--repeats` rounds (default 3) time every
+side in turn, and the table shows medians and the ratio of each round.
 
     .venv/bin/python scripts/bench.py [--out runs/bench.json] [--skip-hf]
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -151,37 +153,41 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     tmp = Path(tempfile.mkdtemp(prefix="bench25m_"))
     hf = make_checkpoint(tmp)
-    engine = Engine(tmp, device="cpu", max_batch_size=PROMPTS * N, max_seq_len=2048, kv_cache_tokens=64 * 1024)
+    sizes = dict(device="cpu", max_batch_size=PROMPTS * N, max_seq_len=2048, kv_cache_tokens=64 * 1024)
+    engine = Engine(tmp, **sizes)
     prompts = workload_prompts(PROMPTS, PROMPT_LEN)
     params = SamplingParams(n=N, max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=STOP_IDS, ignore_eos=True)
-    time_engine(engine, prompts, params)  # warm-up: every side runs the whole workload once first
-    results: dict = {"threads": torch.get_num_threads()}
-    tokens, seconds = time_engine(engine, prompts, params)
-    results["engine"] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-    rates = best_gemm_rate()
-    rate = rates["best"]
-    avg_context = PROMPT_LEN + tokens / (PROMPTS * N) / 2
-    floor = rate / flops_per_token(int(avg_context))
-    results["floor"] = {"gemm_flops_per_s": rate, "gemm_rates": rates, "tokens_per_s": floor}
-    results["engine"]["fraction_of_floor"] = results["engine"]["tokens_per_s"] / floor
-    results["engine"]["kernels"] = engine.config.kernels
-    results["engine"]["gemm"] = engine.model.gemm
+    sides = {"engine": lambda: time_engine(engine, prompts, params)}
     if engine.config.kernels != "torch":  # the same engine on torch ops only
-        plain = Engine(
-            tmp,
-            device="cpu",
-            max_batch_size=PROMPTS * N,
-            max_seq_len=2048,
-            kv_cache_tokens=64 * 1024,
-            kernels="torch",
-        )
-        time_engine(plain, prompts, params)
-        tokens, seconds = time_engine(plain, prompts, params)
-        results["engine_torch_ops"] = {
-            "tokens_per_s": tokens / seconds,
-            "fraction_of_floor": tokens / seconds / floor,
-        }
-        del plain
+        plain = Engine(tmp, **sizes, kernels="torch")
+        sides["engine_torch_ops"] = lambda: time_engine(plain, prompts, params)
+    if not args.skip_hf:
+        sides["transformers"] = lambda: time_hf(hf, prompts, N, MAX_TOKENS)
+    for timed in sides.values():
+        timed()  # warm-up: every side runs the whole workload once first
+    runs: dict[str, list[tuple[int, float]]] = {name: [] for name in sides}
+    for _ in range(args.repeats):  # rounds alternate the sides, so a drifting machine hits them alike
+        for name, timed in sides.items():
+            runs[name].append(timed())
+    results: dict = {"threads": torch.get_num_threads(), "repeats": args.repeats}
+    rates = best_gemm_rate()
+    tokens = statistics.mean(t for t, _ in runs["engine"])
+    floor = rates["best"] / flops_per_token(int(PROMPT_LEN + tokens / (PROMPTS * N) / 2))
+    results["floor"] = {"gemm_flops_per_s": rates["best"], "gemm_rates": rates, "tokens_per_s": floor}
+    for name, measured in runs.items():
+        per_s = [t / sec for t, sec in measured]
+        median = statistics.median(per_s)
+        results[name] = {"tokens_per_s": median, "runs_tokens_per_s": per_s, "fraction_of_floor": median / floor}
+    results["engine"].update(kernels=engine.config.kernels, gemm=engine.model.gemm)
+    if "transformers" in runs:
+        ratios = [
+            e / h
+            for e, h in zip(
+                results["engine"]["runs_tokens_per_s"], results["transformers"]["runs_tokens_per_s"], strict=True
+            )
+        ]
+        results["speedup_vs_transformers"] = statistics.median(ratios)
+        results["speedup_per_round"] = ratios
     one = SamplingParams(n=1, max_tokens=64, temperature=0.0, ignore_eos=True)
     tokens1, seconds1 = time_engine(engine, prompts[:1], one)
     results["engine_batch1_ms_per_token"] = 1000 * seconds1 / tokens1
@@ -189,15 +195,6 @@ def run(args) -> dict:
     _, prefill_s = time_engine(engine, long_prompt, SamplingParams(max_tokens=1, temperature=0.0))
     results["engine_prefill_1024_tokens_per_s"] = 1024 / prefill_s
     if not args.skip_hf:
-        time_hf(hf, prompts, N, MAX_TOKENS)  # warm-up
-        tokens, seconds = time_hf(hf, prompts, N, MAX_TOKENS)
-        results["transformers"] = {
-            "tokens": tokens,
-            "seconds": seconds,
-            "tokens_per_s": tokens / seconds,
-            "fraction_of_floor": tokens / seconds / floor,
-        }
-        results["speedup_vs_transformers"] = results["engine"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
         tokens1, seconds1 = time_hf(hf, prompts[:1], 1, 64, greedy=True)
         results["transformers_batch1_ms_per_token"] = 1000 * seconds1 / tokens1
         start = time.perf_counter()
@@ -232,6 +229,9 @@ def print_table(r: dict) -> None:
     for name, ours, theirs in rows:
         ratio = f"{ours / theirs:8.2f}" if theirs else ""
         print(f"{name:28}{ours:12.2f}{(theirs or float('nan')):14.2f}{ratio}")
+    if "speedup_per_round" in r:
+        rounds = ", ".join(f"{x:.2f}" for x in r["speedup_per_round"])
+        print(f"tokens/s are medians of {r['repeats']} alternating rounds; engine/transformers per round: {rounds}")
 
 
 def main() -> None:
@@ -239,6 +239,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench.json"))
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="engine rows only")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported")
     args = parser.parse_args()
     results = run(args)
     print_table(results)
