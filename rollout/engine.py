@@ -128,6 +128,8 @@ class Engine:
         ops = cpu_ops() if cfg.kernels == "compiled" else None
         self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len, cpu_ops=ops)
         load_checkpoint(self.model, model_path)
+        if self.model.packed is not None:
+            self.model.packed.pack_all()
         self._build_runtime(debug_decode_cache)
         self._guard = PolicyVersionGuard(0)
         self._updater = WeightUpdater(self.model)
@@ -303,6 +305,7 @@ class Engine:
             "decode_cache_hits": self.decode_cache.hits,
             "decode_cache_misses": self.decode_cache.misses,
             **graph_stats(self.stepper.graphs),
+            "packed_weights": self.model.packed.num_packed if self.model.packed is not None else 0,
         }
 
     def step_log(self, since: float | None = None) -> list[StepInfo]:

@@ -157,6 +157,8 @@ class WeightUpdater:
                     self._spare[pname] = old  # owned and replaced by owned: the next staging buffer
                 self._adopted.discard(pname)
             self._adopted |= staged.adopted
+        # Copies write views whose parameter names are not kept: every derived copy goes then.
+        self.model.weights_changed(None if staged.copies else staged.swaps.keys())
         for pname, buffer in staged.staging.items():
             if pname not in staged.swaps:
                 self._spare.setdefault(pname, buffer)

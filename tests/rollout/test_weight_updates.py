@@ -326,3 +326,28 @@ def test_host_updates_swap_storage_and_reuse_the_old_as_staging(qwen2, hf_b):
         engine.commit_weights(staged)
     assert engine.policy_version == 2
     _assert_matches(qwen2.hf, engine.generate(PROMPTS, PARAMS), version=2)
+
+
+def test_packed_projection_copies_follow_every_commit(qwen2, hf_b):
+    """A commit drops the packed copies of the weights it replaced; each step repacks
+    at most one, and every token in between comes from the new weights."""
+    engine = make_engine(qwen2.path)
+    assert engine.model.gemm == "onednn" and engine.model.packed is not None  # this machine's torch has oneDNN
+    total = 4 * qwen2.hf.config.num_hidden_layers + 1  # qkv, o, gate_up, down per layer; the LM head
+    assert engine.stats()["packed_weights"] == total
+    one = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)  # three forward passes
+
+    for version, (hf, state) in enumerate([(hf_b, hf_b.state_dict()), (qwen2.hf, qwen2.hf.state_dict())], start=1):
+        engine.update_weights(state)  # the second update stages into the buffers the first one freed
+        assert engine.stats()["packed_weights"] == 0
+        repacked = []
+        while not repacked or repacked[-1] < total:
+            _assert_matches(hf, engine.generate(PROMPTS[:1], one), version=version)
+            repacked.append(engine.stats()["packed_weights"])
+        assert repacked[0] == 3 and all(b - a <= 3 for a, b in zip(repacked, repacked[1:], strict=False))
+        _assert_matches(hf, engine.generate(PROMPTS, PARAMS), version=version)
+
+    engine.update_weights(
+        {"model.layers.1.self_attn.k_proj.weight": hf_b.state_dict()["model.layers.1.self_attn.k_proj.weight"].clone()}
+    )
+    assert engine.stats()["packed_weights"] == total - 1
