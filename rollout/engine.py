@@ -305,7 +305,7 @@ class Engine:
             "decode_cache_hits": self.decode_cache.hits,
             "decode_cache_misses": self.decode_cache.misses,
             **graph_stats(self.stepper.graphs),
-            "packed_weights": self.model.packed.num_packed if self.model.packed is not None else 0,
+            "packed_weights": self.model.packed.num_current if self.model.packed is not None else 0,
         }
 
     def step_log(self, since: float | None = None) -> list[StepInfo]:

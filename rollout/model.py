@@ -69,46 +69,50 @@ class PackedWeights:
 
     oneDNN reorders a plain weight on every call; packed once, the bench-25m
     projections ran 7-29% faster (alternating runs, one process). A commit
-    drops the copies of the weights it replaced (`changed`); the forward then
-    uses those plain weights and repacks at most `per_step` of them per step,
-    so a push adds no packing to its own latency or to the pause, and no step
-    pays for more than one weight's repack. Commits and steps both run under
-    the engine's guard, so a copy is never read while its weight changes.
-    Costs one more copy of the projection weights.
+    marks the copies of the weights it replaced stale (`changed`: no memory
+    is freed under the guard); the forward uses those plain weights and
+    repacks at most `per_step` of them per step, so a push adds no packing to
+    its own latency or to the commit's pause. Commits and steps both run under
+    the engine's guard, so a copy is never read while its weight changes. The
+    LM head is left plain: with a real vocabulary it is the largest weight
+    (544 MB for Qwen2.5-0.5B in float32) and one GEMM of many. Costs one more
+    copy of the layers' projection weights.
     """
 
     def __init__(self, params: dict[str, nn.Parameter], per_step: int = 1) -> None:
         self._params = params  # name -> live parameter; commits rebind its data
-        self._packed: dict[str, torch.Tensor] = {}  # name -> blocked copy of the parameter's current data
+        self._packed: dict[str, torch.Tensor] = {}  # name -> blocked copy of the parameter's data
+        self._stale: set[str] = set(params)  # copies that no longer match their parameter (or are missing)
         self.per_step = per_step
         self._budget = 0
 
     def pack_all(self) -> None:
-        for name, param in self._params.items():
-            self._packed[name] = torch.ops.mkldnn._reorder_linear_weight(param.detach(), None)
+        for name in list(self._stale):
+            self._repack(name)
 
     def changed(self, names=None) -> None:
-        """The weights `names` (all when None) have new values: drop their copies."""
-        for name in self._params if names is None else names:
-            self._packed.pop(name, None)
+        """The weights `names` (all when None) have new values: their copies are stale."""
+        self._stale.update(self._params if names is None else (n for n in names if n in self._params))
 
     def start_step(self) -> None:
         self._budget = self.per_step
 
     def weight(self, name: str) -> torch.Tensor:
         """The packed copy of `name`, repacked now if stale and this step's budget allows; else the plain weight."""
-        packed = self._packed.get(name)
-        if packed is None:
-            param = self._params[name]
+        if name in self._stale:
             if self._budget <= 0:
-                return param
+                return self._params[name]
             self._budget -= 1
-            packed = self._packed[name] = torch.ops.mkldnn._reorder_linear_weight(param.detach(), None)
-        return packed
+            self._repack(name)
+        return self._packed[name]
+
+    def _repack(self, name: str) -> None:
+        self._packed[name] = torch.ops.mkldnn._reorder_linear_weight(self._params[name].detach(), None)
+        self._stale.discard(name)
 
     @property
-    def num_packed(self) -> int:
-        return len(self._packed)
+    def num_current(self) -> int:
+        return len(self._params) - len(self._stale)
 
 
 def _empty(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -166,15 +170,13 @@ class Model(nn.Module):
         )
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions, dtype, device)
         self.scale = cfg.head_dim**-0.5
-        # Projection weights by parameter name, per layer (qkv, o_proj, gate_up, down), then the LM head.
+        # Projection weights by parameter name, per layer: qkv, o_proj, gate_up, down.
         kinds = ("qkv", "o_proj", "gate_up", "down")
         self._proj_names = [tuple(f"layers.{i}.{kind}" for kind in kinds) for i in range(cfg.num_layers)]
-        self._head_name = "embed" if self.lm_head is None else "lm_head"
         self.packed = None
         if self.gemm == "onednn":
             params = dict(self.named_parameters())
-            names = [n for layer in self._proj_names for n in layer] + [self._head_name]
-            self.packed = PackedWeights({n: params[n] for n in names})
+            self.packed = PackedWeights({n: params[n] for layer in self._proj_names for n in layer})
 
     def weights_changed(self, names=None) -> None:
         """The parameters `names` (all when None) were given new values; call under the engine's guard."""
@@ -211,7 +213,7 @@ class Model(nn.Module):
                 h = h + self._mlp(i, layer, rms_norm(h, layer.post_norm, eps))
         h = self._norm(h.index_select(0, sample_rows), self.norm)
         head = self.embed if self.lm_head is None else self.lm_head
-        return self._project(h, self._head_name, head).float()
+        return self._linear(h, head).float()
 
     def _fused_layers(self, h, positions, meta, kv) -> torch.Tensor:
         """The layers with each residual add folded into the next RMSNorm; `h` is updated in place."""
