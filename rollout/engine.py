@@ -128,8 +128,7 @@ class Engine:
         ops = cpu_ops() if cfg.kernels == "compiled" else None
         self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len, cpu_ops=ops)
         load_checkpoint(self.model, model_path)
-        if self.model.packed is not None:
-            self.model.packed.pack_all()
+        self.model.pack_weights()
         self._build_runtime(debug_decode_cache)
         self._guard = PolicyVersionGuard(0)
         self._updater = WeightUpdater(self.model)

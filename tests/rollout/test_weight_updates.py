@@ -328,12 +328,25 @@ def test_host_updates_swap_storage_and_reuse_the_old_as_staging(qwen2, hf_b):
     _assert_matches(qwen2.hf, engine.generate(PROMPTS, PARAMS), version=2)
 
 
+def test_packed_copies_fall_back_to_plain_weights_when_packing_fails(qwen2, monkeypatch):
+    def broken(weight, batch_size):
+        raise RuntimeError("no reorder here")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", broken)
+    with pytest.warns(RuntimeWarning, match="projections use plain weights"):
+        engine = make_engine(qwen2.path)
+    assert engine.model.packed is None and engine.stats()["packed_weights"] == 0
+    _assert_matches(qwen2.hf, engine.generate(PROMPTS, PARAMS), version=0)
+
+
 def test_packed_projection_copies_follow_every_commit(qwen2, hf_b):
     """A commit drops the packed copies of the weights it replaced; each step repacks
     at most one, and every token in between comes from the new weights."""
     engine = make_engine(qwen2.path)
-    assert engine.model.gemm == "onednn" and engine.model.packed is not None  # this machine's torch has oneDNN
+    if engine.model.packed is None:
+        pytest.skip("this torch build has no oneDNN: projections use torch's BLAS and nothing is packed")
     total = 4 * qwen2.hf.config.num_hidden_layers  # qkv, o, gate_up, down per layer; the LM head stays plain
+    assert engine.model.packed.per_step == 1  # a step repacks one weight of this small model
     assert engine.stats()["packed_weights"] == total
     one = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)  # three forward passes
 
