@@ -124,7 +124,7 @@ class RolloutWorker:
         self._background = ThreadPoolExecutor(1, "rollout-verify", initializer=lower_thread_priority)
         if manifest is not None:
             for index, segments in enumerate(buckets):
-                self.stage_bucket("published", index, [e for e in manifest.entries if e.bucket == index], segments)
+                self.stage_bucket("published", index, manifest.bucket_entries(index), segments)
             self.prepare_push("published", manifest)
             self.commit_push("published", version, "keep")
 
@@ -201,7 +201,7 @@ class RolloutWorker:
             entries, bucket = incoming.get(index, ((), None))
             if bucket is None or bucket.nbytes != size:
                 raise ValueError(f"weight push bucket {index} did not arrive intact")
-            if entries != tuple(e for e in manifest.entries if e.bucket == index):
+            if entries != manifest.bucket_entries(index):
                 raise ValueError(f"weight push bucket {index} does not match the manifest")
             for _, part, parts, checksums in (v for v in verify if v[0] == index):
                 part, parts = _checked_share((part, parts))

@@ -25,7 +25,6 @@ import shlex
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,11 +63,6 @@ def cpu_ops():
         if "error" in _loaded:
             raise KernelUnavailable(f"the compiled CPU kernels are unavailable: {_loaded['error']}")
         return _loaded["ops"]
-
-
-def paged_decode_op() -> Callable[..., None]:
-    """`cpu_ops().paged_decode`."""
-    return cpu_ops().paged_decode
 
 
 def kernel_dir() -> Path:

@@ -125,8 +125,8 @@ class Engine:
         )
         self.config = cfg
         self.codec = TextCodec.from_dir(model_path, self.model_config.eos_token_ids)
-        ops = cpu_ops() if cfg.kernels == "compiled" else None
-        self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len, cpu_ops=ops)
+        self._cpu_ops = cpu_ops() if cfg.kernels == "compiled" else None  # built (or loaded) by the config check
+        self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len, cpu_ops=self._cpu_ops)
         load_checkpoint(self.model, model_path)
         self.model.pack_weights()
         self._build_runtime(debug_decode_cache)
@@ -162,7 +162,7 @@ class Engine:
             self.decode_cache,
             cfg.decode_graphs,
             scratch_page=cfg.num_pages,
-            decode_kernel=cpu_ops().paged_decode if cfg.kernels == "compiled" else None,
+            decode_kernel=self._cpu_ops.paged_decode if self._cpu_ops is not None else None,
         )
         self.scheduler = Scheduler(
             KVManager(PageAllocator(cfg.num_pages, cfg.page_size)),

@@ -11,6 +11,7 @@ import torch
 from workspace import KVPool
 
 from .config import ModelConfig
+from .cpu_kernels import KernelUnavailable, cpu_ops
 from .decode_graphs import MODES, resolve_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,8 +102,6 @@ def _kernels(kernels, dev: torch.device) -> str:
         return "torch"
     if dev.type != "cpu":
         raise ValueError(f"kernels='compiled' needs device 'cpu', got {dev}")
-    from .cpu_kernels import KernelUnavailable, cpu_ops
-
     try:
         cpu_ops()
     except KernelUnavailable as exc:

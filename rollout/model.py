@@ -82,11 +82,11 @@ class PackedWeights:
     copy of the layers' projection weights.
     """
 
-    def __init__(self, params: dict[str, nn.Parameter], per_step: int | None = None) -> None:
+    def __init__(self, params: dict[str, nn.Parameter]) -> None:
         self._params = params  # name -> live parameter; commits rebind its data
         self._packed: dict[str, torch.Tensor] = {}  # name -> blocked copy of the parameter's data
         self._stale: set[str] = set(params)  # copies that no longer match their parameter (or are missing)
-        self.per_step = per_step if per_step is not None else max(1, -(-len(params) // 32))
+        self.per_step = max(1, -(-len(params) // 32))
         self._budget = 0
 
     def pack_all(self) -> None:

@@ -35,7 +35,6 @@ class StagedUpdate:
     swaps: dict[str, torch.Tensor]  # parameter name -> its new storage, rebound at commit (host engines)
     staging: dict[str, torch.Tensor]  # parameter name -> staging buffer this update holds (returned when done)
     adopted: frozenset[str]  # swapped parameters that view memory the caller lets the engine keep
-    num_tensors: int  # checkpoint tensors in the update
     nbytes: int  # bytes the commit installs
     done: bool = field(default=False)  # committed or discarded
 
@@ -109,7 +108,7 @@ class WeightUpdater:
         by_param: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
         for slot, tensor in items:  # a tied duplicate maps onto the same rows: the first is kept
             by_param.setdefault(slot.param_name, {}).setdefault((slot.start, slot.rows), tensor)
-        staged = StagedUpdate([], {}, {}, frozenset(), len(items), 0)
+        staged = StagedUpdate([], {}, {}, frozenset(), 0)
         adopted = set()
         for pname, parts in by_param.items():
             live = self._live[pname]

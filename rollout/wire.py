@@ -76,6 +76,10 @@ class Manifest:
         """Bytes of every named tensor (names that share memory count each time)."""
         return sum(e.nbytes for e in self.entries)
 
+    def bucket_entries(self, index: int) -> tuple[TensorEntry, ...]:
+        """The entries of bucket `index`, in manifest order."""
+        return tuple(e for e in self.entries if e.bucket == index)
+
 
 @dataclass(frozen=True, slots=True)
 class WireBucket:

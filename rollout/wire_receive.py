@@ -79,7 +79,7 @@ def verify_bucket(index: int, bucket: np.ndarray, manifest: Manifest) -> None:
         raise ValueError(
             f"weight bucket {index} has {bucket.nbytes} bytes, its manifest says {manifest.bucket_nbytes[index]}"
         )
-    verify_entries(bucket, [e for e in manifest.entries if e.bucket == index])
+    verify_entries(bucket, manifest.bucket_entries(index))
 
 
 def verify_entries(bucket: np.ndarray, entries: Sequence[TensorEntry]) -> None:
@@ -95,7 +95,7 @@ def unpack(buckets: Sequence[np.ndarray], manifest: Manifest) -> dict[str, torch
     """Tensors viewing the bucket bytes (no copy); read-only when the buckets are."""
     out = {}
     for index, bucket in enumerate(buckets):
-        out.update(unpack_entries(bucket, [e for e in manifest.entries if e.bucket == index]))
+        out.update(unpack_entries(bucket, manifest.bucket_entries(index)))
     return {e.name: out[e.name] for e in manifest.entries}
 
 

@@ -154,7 +154,8 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / best
 
 
-def gemm_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
+def square_gemm_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
+    """FLOP/s of a size x size matrix product in `dtype` on `device` (best of 5)."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     for _ in range(3):
@@ -187,7 +188,7 @@ def qwen_05b(root: Path, device: torch.device, config: dict, batches: tuple[int,
     hf = hf.to(device)
     is_cuda = device.type == "cuda"
     bandwidth = copy_bandwidth(device, 2**30 if is_cuda else 2**24)
-    rate = gemm_rate(device, torch.bfloat16, 8192 if is_cuda else 256)
+    rate = square_gemm_rate(device, torch.bfloat16, 8192 if is_cuda else 256)
     out: dict = {"copy_bandwidth_gb_s": bandwidth / 1e9, "bf16_gemm_tflop_s": rate / 1e12}
     graphs = "cuda" if is_cuda else "off"
     kw = dict(dtype="bfloat16", max_batch_size=max(batches), max_seq_len=512, decode_graphs=graphs)

@@ -11,7 +11,7 @@ import torch
 
 from rollout import SamplingParams, cpu_kernels
 from rollout.config import RopeConfig
-from rollout.cpu_kernels import KernelUnavailable, cpu_ops, paged_decode_op
+from rollout.cpu_kernels import KernelUnavailable, cpu_ops
 from rollout.engine_config import _kernels
 from rollout.model import onednn_linear, pick_linear, rms_norm
 from rollout.rope import RotaryTable
@@ -70,7 +70,7 @@ def random_case(rows, hq, hkv, dim, *, page_size=4, pages=64, dtype=torch.float3
 )
 def test_float32_matches_a_float64_recompute(rows, hq, hkv, dim, window):
     q, k, v, tables, lens, out = random_case(rows, hq, hkv, dim, seed=rows + dim)
-    paged_decode_op()(q, k, v, tables, lens, out, dim**-0.5, window)
+    cpu_ops().paged_decode(q, k, v, tables, lens, out, dim**-0.5, window)
     expected = reference(q, k, v, tables, lens, dim**-0.5, window)
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6)
 
@@ -78,7 +78,7 @@ def test_float32_matches_a_float64_recompute(rows, hq, hkv, dim, window):
 @pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
 def test_half_precisions_accumulate_in_float32(dtype, atol):
     q, k, v, tables, lens, out = random_case(11, 8, 4, 64, dtype=dtype, seed=3)
-    paged_decode_op()(q, k, v, tables, lens, out, 0.125, 0)
+    cpu_ops().paged_decode(q, k, v, tables, lens, out, 0.125, 0)
     expected = reference(q, k, v, tables, lens, 0.125, 0)  # of the same rounded inputs
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=atol)
@@ -87,7 +87,7 @@ def test_half_precisions_accumulate_in_float32(dtype, atol):
 def test_only_each_rows_own_pages_are_read():
     """Poisoning every page a row does not own (and the padding past its length) changes nothing."""
     q, k, v, tables, lens, out = random_case(6, 4, 2, 64, seed=5, width_slack=0)
-    paged_decode_op()(q, k, v, tables, lens, out, 0.125, 0)
+    cpu_ops().paged_decode(q, k, v, tables, lens, out, 0.125, 0)
     expected = out.clone()
     used = torch.zeros(k.shape[0] * k.shape[1], dtype=torch.bool)
     for r in range(6):
@@ -96,7 +96,7 @@ def test_only_each_rows_own_pages_are_read():
         used[slots] = True
     k.view(-1, 2, 64)[~used] = float("nan")
     v.view(-1, 2, 64)[~used] = float("inf")
-    paged_decode_op()(q, k, v, tables, lens, out, 0.125, 0)
+    cpu_ops().paged_decode(q, k, v, tables, lens, out, 0.125, 0)
     assert torch.equal(out, expected)
 
 
@@ -119,7 +119,7 @@ def test_bad_inputs_are_refused_before_anything_is_written(change, message):
     change(args)
     before = args["out"].clone()
     with pytest.raises(RuntimeError, match=message):
-        paged_decode_op()(*args.values(), 0.125, 0)
+        cpu_ops().paged_decode(*args.values(), 0.125, 0)
     assert torch.equal(args["out"].isnan(), before.isnan())
 
 
