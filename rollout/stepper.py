@@ -76,7 +76,7 @@ class Stepper:
         else:
             if self.graphs is not None:
                 self.graphs.invalidate()  # this step's uploads may have overwritten the padding rows
-            self._run_eager(plan.num_tokens, meta, num_logits, num_rows)
+            self._forward(plan.num_tokens, meta, num_logits, num_rows, self._flags)
         out_tokens = self.ws.view("out_tokens", num_rows)
         result = StepResult(out_tokens.tolist(), self.ws.view("out_logprobs", num_rows).tolist(), plan.version)
         if pure_decode:
@@ -91,18 +91,15 @@ class Stepper:
         if self.graphs is not None:
             self.graphs.invalidate()
 
-    def _run_eager(self, num_tokens: int, meta: AttentionMetadata, num_logits: int, num_rows: int) -> None:
-        logits = self.model(
-            self.ws.view("input_ids", num_tokens),
-            self.ws.view("positions", num_tokens),
-            meta,
-            self.kv,
-            self.ws.view("logit_rows", num_logits),
-        )
+    def _forward(self, num_tokens: int, meta: AttentionMetadata, num_logits: int, num_rows: int, flags) -> None:
+        """Model and sampler over the workspace's first rows; tokens and logprobs land in its out buffers."""
+        ws = self.ws
+        ids, positions = ws.view("input_ids", num_tokens), ws.view("positions", num_tokens)
+        logits = self.model(ids, positions, meta, self.kv, ws.view("logit_rows", num_logits))
         if num_logits != num_rows:
-            logits = logits.index_select(0, self.ws.view("sample_rows", num_rows))
-        batch = self._sampling_batch(num_rows, self._flags)
-        sample(logits, batch, self.ws.view("out_tokens", num_rows), self.ws.view("out_logprobs", num_rows))
+            logits = logits.index_select(0, ws.view("sample_rows", num_rows))
+        batch = self._sampling_batch(num_rows, flags)
+        sample(logits, batch, ws.view("out_tokens", num_rows), ws.view("out_logprobs", num_rows))
 
     def _padded_decode(self, key: GraphKey) -> None:
         """One decode step over the first `key.rows` workspace rows, as captured in a graph."""
@@ -116,11 +113,7 @@ class Stepper:
             decode_context_lens=self.ws.view("context_lens", n),
             decode_kernel=self.decode_kernel,
         )
-        logits = self.model(
-            self.ws.view("input_ids", n), self.ws.view("positions", n), meta, self.kv, self.ws.view("logit_rows", n)
-        )
-        out_tokens, out_logprobs = self.ws.view("out_tokens", n), self.ws.view("out_logprobs", n)
-        sample(logits, self._sampling_batch(n, key.flags), out_tokens, out_logprobs)
+        self._forward(n, meta, n, n, key.flags)
 
     # -- host-built inputs ---------------------------------------------------------------
     def _decode_rows(self, chunks: list[ScheduledChunk]) -> DecodeRows:
