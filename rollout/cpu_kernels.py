@@ -3,6 +3,8 @@
 - `paged_decode`: decode attention read in place from the paged KV pool.
 - `rms_norm`, `add_rms_norm_`, `rope_and_cache_`, `silu_mul`: a decoder
   layer's float32 elementwise steps, one op each instead of 2-14 torch ops.
+- `sample_rows`: sampling and logprobs of batches without top-k, top-p or
+  min-p, three passes over each row of logits instead of about a dozen ops.
 
 The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`)
 against the installed torch into one shared library named by a hash of the
@@ -29,7 +31,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampler.cpp")
+)
 HEADERS = (Path(__file__).with_name("csrc") / "vec_math.h",)
 _VECTOR_FLAGS = {
     "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
@@ -49,9 +53,10 @@ def cpu_ops():
 
     `paged_decode(q [R, Hq, D], k_cache [pages, page_size, Hkv, D], v_cache,
     block_tables [R, P] int64, context_lens [R] int64, out [R, Hq, D], scale,
-    window)`, `window` 0 meaning none; the fused ops are documented in
-    `csrc/fused_ops.cpp`. Raises `KernelUnavailable` with the reason
-    (remembered for the process) when they cannot be built.
+    window)`, `window` 0 meaning none; the fused ops and `sample_rows` are
+    documented in `csrc/fused_ops.cpp` and `csrc/sampler.cpp`. Raises
+    `KernelUnavailable` with the reason (remembered for the process) when
+    they cannot be built.
     """
     with _lock:
         if "ops" not in _loaded and "error" not in _loaded:

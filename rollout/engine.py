@@ -163,6 +163,7 @@ class Engine:
             cfg.decode_graphs,
             scratch_page=cfg.num_pages,
             decode_kernel=self._cpu_ops.paged_decode if self._cpu_ops is not None else None,
+            sample_kernel=self._cpu_ops.sample_rows if self._cpu_ops is not None else None,
         )
         self.scheduler = Scheduler(
             KVManager(PageAllocator(cfg.num_pages, cfg.page_size)),

@@ -8,6 +8,7 @@ preempted sequence recomputed later draws what it would have drawn.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,14 +80,27 @@ class SamplingBatch:
         )
 
 
-def sample(logits: torch.Tensor, p: SamplingBatch, out_tokens: torch.Tensor, out_logprobs: torch.Tensor) -> None:
+def sample(
+    logits: torch.Tensor,
+    p: SamplingBatch,
+    out_tokens: torch.Tensor,
+    out_logprobs: torch.Tensor,
+    kernel: Callable[..., None] | None = None,
+) -> None:
     """Sample one token per row of float32 `logits` `[R, V]` into `out_tokens`,
     its log-probability (per row mode) into `out_logprobs`.
 
     Filters only mask tokens out; every row then inverts the CDF of its
     final distribution in vocabulary order, so a row's token depends on its
     own logits and uniform alone, never on which path its batch took.
+    `kernel` (the compiled `sample_rows` of `rollout.cpu_kernels`, for CPU
+    logits) samples batches without filters in one op, to float32 rounding
+    of this path.
     """
+    if kernel is not None and not p.any_filter:
+        u = counter_uniform(p.seed, p.sample_index, p.rng_pos)
+        kernel(logits, p.temperature, p.mode, u, out_tokens, out_logprobs)
+        return
     if p.all_greedy:
         tokens = logits.argmax(dim=-1)
         out_tokens.copy_(tokens)

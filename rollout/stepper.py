@@ -26,7 +26,8 @@ class Stepper:
     """`decode_graphs` ("off", "eager" or "cuda", see `rollout.decode_graphs`)
     serves pure-decode steps from graphs; padding rows then write to
     `scratch_page`, a KV page no sequence owns. `decode_kernel` (see
-    `rollout.cpu_kernels`) attends decodes in place instead of gathering pages."""
+    `rollout.cpu_kernels`) attends decodes in place instead of gathering pages;
+    `sample_kernel` samples batches without filters in one op."""
 
     def __init__(
         self,
@@ -37,6 +38,7 @@ class Stepper:
         decode_graphs: str = "off",
         scratch_page: int | None = None,
         decode_kernel: Callable[..., None] | None = None,
+        sample_kernel: Callable[..., None] | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -44,6 +46,7 @@ class Stepper:
         self.cache = decode_cache
         self.page_size = kv.page_size
         self.decode_kernel = decode_kernel
+        self.sample_kernel = sample_kernel
         self._flags = (False, False, False)  # any_filter, any_greedy, all_greedy of the cached batch
         self.graphs = None
         if decode_graphs != "off":
@@ -99,7 +102,7 @@ class Stepper:
         if num_logits != num_rows:
             logits = logits.index_select(0, ws.view("sample_rows", num_rows))
         batch = self._sampling_batch(num_rows, flags)
-        sample(logits, batch, ws.view("out_tokens", num_rows), ws.view("out_logprobs", num_rows))
+        sample(logits, batch, ws.view("out_tokens", num_rows), ws.view("out_logprobs", num_rows), self.sample_kernel)
 
     def _padded_decode(self, key: GraphKey) -> None:
         """One decode step over the first `key.rows` workspace rows, as captured in a graph."""

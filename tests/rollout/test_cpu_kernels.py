@@ -2,7 +2,8 @@
 recompute over the same pages; the fused RMSNorm, rotary/KV-write and SiLU
 ops against the torch ops they replace and float64; input checks; the build
 cache; and the engine's choice of kernels (with the fallback when nothing can
-be built)."""
+be built). The compiled sampler is tested with the sampler, in
+test_sampler.py."""
 
 from __future__ import annotations
 
@@ -210,7 +211,8 @@ def test_without_a_compiler_auto_falls_back_and_compiled_refuses(qwen2, tmp_path
         make_engine(qwen2.path, kernels="compiled")
     with pytest.warns(RuntimeWarning, match="falls back to kernels='torch'"):
         engine = make_engine(qwen2.path)
-    assert engine.config.kernels == "torch" and engine.stepper.decode_kernel is None and engine.model._ops is None
+    assert engine.config.kernels == "torch" and engine.model._ops is None
+    assert engine.stepper.decode_kernel is None and engine.stepper.sample_kernel is None
     out = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].samples[0].token_ids) == 4
 
@@ -247,10 +249,11 @@ def test_engine_compiled_kernels_match_the_torch_path(checkpoints, family):
 
 
 def test_half_precision_engines_keep_the_torch_elementwise_ops(qwen2):
-    """bf16 keeps the reference's rounding steps: only decode attention is compiled."""
+    """bf16 keeps the reference's rounding steps: only decode attention and the
+    sampler (over float32 logits) are compiled."""
     engine = make_engine(qwen2.path, dtype="bfloat16")
     assert engine.config.kernels == "compiled" and engine.stepper.decode_kernel is not None
-    assert engine.model._ops is None
+    assert engine.stepper.sample_kernel is not None and engine.model._ops is None
 
 
 def test_onednn_linear_matches_a_float64_recompute():

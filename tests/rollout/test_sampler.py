@@ -1,4 +1,6 @@
-"""The batched sampler against a float64 recompute and a chi-square test."""
+"""The batched sampler against a float64 recompute and a chi-square test,
+on the torch path and, for batches without filters, through the compiled
+`sample_rows` kernel (`rollout.cpu_kernels`)."""
 
 from __future__ import annotations
 
@@ -6,8 +8,16 @@ import pytest
 import torch
 from scipy import stats
 
+from rollout.cpu_kernels import cpu_ops
 from rollout.sampler import MODE_CODES, SamplingBatch, counter_uniform, sample
 from tests.reference import processed_logprobs
+
+PATHS = ("torch", "compiled")  # `kernel` fixture values: the compiled path only serves batches without filters
+
+
+@pytest.fixture(params=PATHS)
+def kernel(request):
+    return cpu_ops().sample_rows if request.param == "compiled" else None
 
 
 def _batch(rows: int, *, temperature, top_k, top_p, min_p, mode="processed", seed=0, index=None, pos=None):
@@ -27,10 +37,10 @@ def _batch(rows: int, *, temperature, top_k, top_p, min_p, mode="processed", see
     )
 
 
-def _run(logits, batch):
+def _run(logits, batch, kernel=None):
     tokens = torch.empty(logits.shape[0], dtype=torch.int64)
     logprobs = torch.empty(logits.shape[0], dtype=torch.float32)
-    sample(logits, batch, tokens, logprobs)
+    sample(logits, batch, tokens, logprobs, kernel)
     return tokens, logprobs
 
 
@@ -67,9 +77,10 @@ def test_raw_and_scaled_modes_and_greedy():
     assert tokens[3] == logits[3].argmax() and tokens[4] == logits[4].argmax()
 
 
-def test_all_greedy_batch():
+def test_all_greedy_batch(kernel):
     logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(2))
-    tokens, logprobs = _run(logits, _batch(4, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0))
+    logits[1, 7] = logits[1, 3] = logits[1].max() + 1  # a tie: the first maximum wins, as torch.argmax
+    tokens, logprobs = _run(logits, _batch(4, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0), kernel)
     assert torch.equal(tokens, logits.argmax(-1))
     ref = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None]).squeeze(1)
     assert torch.allclose(logprobs.double(), ref, atol=1e-6)
@@ -79,11 +90,11 @@ def test_all_greedy_batch():
     "temperature,top_k,top_p,min_p",
     [(1.0, 0, 1.0, 0.0), (0.8, 6, 0.9, 0.0), (1.2, 0, 0.75, 0.05), (1.0, 0, 1.0, 0.1)],
 )
-def test_sampled_frequencies_follow_processed_distribution(temperature, top_k, top_p, min_p):
+def test_sampled_frequencies_follow_processed_distribution(temperature, top_k, top_p, min_p, kernel):
     logits = torch.tensor([2.0, 1.5, 1.2, 0.8, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0])
     draws = 40_000
     batch = _batch(draws, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=12345)
-    tokens, _ = _run(logits.expand(draws, -1).contiguous(), batch)
+    tokens, _ = _run(logits.expand(draws, -1).contiguous(), batch, kernel)
     counts = torch.bincount(tokens, minlength=logits.numel()).double()
     ref = processed_logprobs(logits, temperature, top_k, top_p, min_p).exp()
     kept = ref > 0
@@ -110,3 +121,96 @@ def test_counter_uniform_is_deterministic_and_uniform():
     assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1]) < 0.02
     other = counter_uniform(seed + 1, stream, counter)
     assert not torch.equal(u, other)
+
+
+def _inverse_cdf_float64(logits, temperature, mode, u):
+    """Tokens and logprobs in float64: greedy rows take the first maximum and
+    report the raw logprob; the others take the first token whose cumulative
+    softmax(logits / T) mass exceeds u times the total."""
+    tokens, logprobs = [], []
+    for r in range(logits.shape[0]):
+        x, t = logits[r].double(), float(temperature[r])
+        raw = torch.log_softmax(x, -1)
+        if t == 0:
+            token = int(x.argmax())
+            tokens.append(token)
+            logprobs.append(float(raw[token]))
+            continue
+        scaled = torch.log_softmax(x / t, -1)
+        cdf = scaled.exp().cumsum(-1)
+        token = int(torch.searchsorted(cdf, float(u[r]) * cdf[-1], right=True))
+        tokens.append(token)
+        logprobs.append(float((raw if int(mode[r]) == MODE_CODES["raw"] else scaled)[token]))
+    return torch.tensor(tokens), torch.tensor(logprobs, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("vocab", [50, 4096, 151936])  # 151936: Qwen2.5's vocabulary
+def test_compiled_sampling_matches_a_float64_inverse_cdf(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    rows = 24
+    logits = torch.randn(rows, vocab, generator=g) * (1 + 4 * torch.rand(rows, 1, generator=g))
+    logits[5, : vocab // 2] = float("-inf")  # masked tokens: never drawn
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.2
+    temperature[:3], temperature[3:6] = 0.0, 1.0
+    mode = torch.arange(rows) % 3
+    u = torch.rand(rows, generator=g)
+    tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
+    cpu_ops().sample_rows(logits, temperature, mode, u, tokens, logprobs)
+    expected_tokens, expected_logprobs = _inverse_cdf_float64(logits, temperature, mode, u)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logprobs.double(), expected_logprobs, rtol=0, atol=1e-5)
+    assert tokens[5] >= vocab // 2
+
+
+def test_compiled_sampling_walks_the_cdf_exactly_and_skips_impossible_tokens():
+    """Weights exp(0) = 1 are exact: the mass after tokens 0..4 is 1, 1, 2, 3, 4 of 4,
+    so u = 0.25 (target 1) passes over token 0 (mass not above 1) and token 1 (no mass)."""
+    logits = torch.tensor([0.0, float("-inf"), 0.0, 0.0, 0.0]).repeat(5, 1)
+    u = torch.tensor([0.0, 0.2, 0.25, 0.5, 0.99])
+    tokens, logprobs = torch.empty(5, dtype=torch.int64), torch.empty(5)
+    cpu_ops().sample_rows(logits, torch.ones(5), torch.full((5,), MODE_CODES["scaled"]), u, tokens, logprobs)
+    assert tokens.tolist() == [0, 0, 2, 3, 4]
+    torch.testing.assert_close(logprobs, torch.full((5,), -torch.log(torch.tensor(4.0)).item()))
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("temperature", -1.0, r"temperature\[1\] = -1 must be finite and >= 0"),
+        ("temperature", float("nan"), r"temperature\[1\] = nan must be finite"),
+        ("mode", 3, r"mode\[1\] = 3 must be 0, 1 or 2"),
+        ("uniform", 1.0, r"uniform\[1\] = 1 must be in \[0, 1\)"),
+        ("logits", None, "logits must be a float32 CPU tensor"),
+        ("out_tokens", None, "out_tokens must be a contiguous Long CPU tensor of 3 rows"),
+    ],
+)
+def test_compiled_sampling_refuses_bad_inputs_before_writing(field, value, message):
+    args = {
+        "logits": torch.randn(3, 10),
+        "temperature": torch.ones(3),
+        "mode": torch.zeros(3, dtype=torch.int64),
+        "uniform": torch.full((3,), 0.5),
+        "out_tokens": torch.full((3,), -7, dtype=torch.int64),
+        "out_logprobs": torch.full((3,), 7.0),
+    }
+    if value is None:  # a wrong dtype
+        args[field] = args[field].double()
+    else:
+        args[field][1] = value
+    with pytest.raises(RuntimeError, match=message):
+        cpu_ops().sample_rows(*args.values())
+    assert args["out_logprobs"].tolist() == [7.0] * 3
+    if field != "out_tokens":
+        assert args["out_tokens"].tolist() == [-7] * 3
+
+
+def test_filtered_batches_stay_on_the_torch_path():
+    def refuse(*args):
+        raise AssertionError("the compiled sampler got a batch with filters")
+
+    logits = torch.randn(8, 30, generator=torch.Generator().manual_seed(4))
+    batch = _batch(8, temperature=0.9, top_k=torch.tensor([0, 5] * 4), top_p=1.0, min_p=0.0, seed=2)
+    assert batch.any_filter
+    tokens, logprobs = _run(logits, batch, refuse)
+    expected_tokens, expected_logprobs = _run(logits, batch)
+    assert torch.equal(tokens, expected_tokens) and torch.equal(logprobs, expected_logprobs)
