@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 LOGPROBS_MODES = ("processed", "raw", "scaled")
 MAX_SEED = 2**63 - 1
+# Below this, logits / temperature can overflow float32 (a subnormal temperature makes every
+# logprob NaN); a caller after near-greedy sampling wants temperature 0.
+MIN_TEMPERATURE = 1e-6
 
 
 def _is_int(value: object) -> bool:
@@ -42,8 +45,10 @@ class SamplingParams:
         _check_int("n", self.n, 1)
         if not _is_real(self.temperature):
             raise TypeError(f"temperature must be a number >= 0, got {type(self.temperature).__name__}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {self.temperature!r}"
+            )
         _check_int("top_k", self.top_k, 0, "(0 = off)")
         if not _is_real(self.top_p):
             raise TypeError(f"top_p must be a number in (0, 1], got {type(self.top_p).__name__}")

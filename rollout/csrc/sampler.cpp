@@ -37,12 +37,18 @@ namespace {
 
 constexpr int64_t kBlock = 256;  // tokens per partial sum: the walk reads at most one block twice
 
+// The largest logit, NaN ignored.
 float row_max(const float* x, int64_t n) {
   float top = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : top)
   for (int64_t i = 0; i < n; ++i) top = std::max(top, x[i]);
   return top;
 }
+
+// vec_exp(z), except exactly 0 below its clamp at -87 (where it returns 1.6e-38 rather than
+// less): a masked token (-inf) or one e^87 times less likely than the top must weigh nothing,
+// or a uniform of exactly 0 would draw it.
+inline float weight(float z) { return z < -87.f ? 0.f : vec_exp(z); }
 
 // log(sum(exp(x - top))) + top, summed in double like the sampling pass.
 float log_sum_exp(const float* x, int64_t n, float top) {
@@ -59,8 +65,12 @@ struct Draw {
 
 Draw greedy_row(const float* x, int64_t n) {
   const float top = row_max(x, n);
-  int64_t token = std::find(x, x + n, top) - x;  // the first maximum, as torch.argmax
-  if (token == n) token = 0;  // every logit NaN: any token in range, with a NaN logprob
+  // The first maximum, as torch.argmax; like it, the first NaN if there is one.
+  int any_nan = 0;
+#pragma omp simd reduction(| : any_nan)
+  for (int64_t i = 0; i < n; ++i) any_nan |= x[i] != x[i];
+  const int64_t token = any_nan ? std::find_if(x, x + n, [](float v) { return std::isnan(v); }) - x
+                                : std::find(x, x + n, top) - x;
   return {token, x[token] - log_sum_exp(x, n, top)};
 }
 
@@ -78,7 +88,7 @@ Draw sample_row(const float* x, int64_t n, float temperature, int64_t mode, floa
     double sum = 0.;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = start; i < stop; ++i) {
-      weights[i] = vec_exp(x[i] / temperature - scaled_top);
+      weights[i] = weight(x[i] / temperature - scaled_top);
       sum += weights[i];
     }
     block_sums[b] = sum;

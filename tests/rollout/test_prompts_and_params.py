@@ -17,6 +17,7 @@ PARAMS = SamplingParams(n=2, max_tokens=12, seed=3, ignore_eos=True)
         (dict(n=0), ValueError, "n must be"),
         (dict(n=True), TypeError, "n must be"),
         (dict(temperature=-0.5), ValueError, "temperature"),
+        (dict(temperature=1e-40), ValueError, r"temperature must be 0 \(greedy\) or a finite number >= 1e-06"),
         (dict(temperature=float("nan")), ValueError, "temperature"),
         (dict(temperature="hot"), TypeError, "temperature"),
         (dict(top_k=-1), ValueError, "top_k"),

@@ -163,14 +163,35 @@ def test_compiled_sampling_matches_a_float64_inverse_cdf(vocab):
 
 
 def test_compiled_sampling_walks_the_cdf_exactly_and_skips_impossible_tokens():
-    """Weights exp(0) = 1 are exact: the mass after tokens 0..4 is 1, 1, 2, 3, 4 of 4,
-    so u = 0.25 (target 1) passes over token 0 (mass not above 1) and token 1 (no mass)."""
-    logits = torch.tensor([0.0, float("-inf"), 0.0, 0.0, 0.0]).repeat(5, 1)
-    u = torch.tensor([0.0, 0.2, 0.25, 0.5, 0.99])
-    tokens, logprobs = torch.empty(5, dtype=torch.int64), torch.empty(5)
-    cpu_ops().sample_rows(logits, torch.ones(5), torch.full((5,), MODE_CODES["scaled"]), u, tokens, logprobs)
-    assert tokens.tolist() == [0, 0, 2, 3, 4]
-    torch.testing.assert_close(logprobs, torch.full((5,), -torch.log(torch.tensor(4.0)).item()))
+    """Weights exp(0) = 1 are exact, -inf and a logit 1000 below the top weigh 0: the mass
+    after tokens 0..5 is 0, 1, 1, 2, 3, 4 of 4. u = 0 (target 0) skips the weightless token 0;
+    u = 0.25 (target 1) passes over token 1 (mass not above 1) and token 2 (no mass)."""
+    logits = torch.tensor([float("-inf"), 0.0, -1000.0, 0.0, 0.0, 0.0]).repeat(6, 1)
+    u = torch.tensor([0.0, 0.2, 0.25, 0.5, 0.99, 1 - 2**-24])
+    tokens, logprobs = torch.empty(6, dtype=torch.int64), torch.empty(6)
+    cpu_ops().sample_rows(logits, torch.ones(6), torch.full((6,), MODE_CODES["scaled"]), u, tokens, logprobs)
+    assert tokens.tolist() == [1, 1, 3, 4, 5, 5]
+    torch.testing.assert_close(logprobs, torch.full((6,), -torch.log(torch.tensor(4.0)).item()))
+
+
+def test_a_uniform_of_zero_never_draws_a_token_far_below_the_top(kernel):
+    """counter_uniform returns exactly 0 once in 2**24 draws; at T = 0.1 token 0 is
+    e^200 times less likely than token 1 (float32 probability 0)."""
+    logits = torch.tensor([[-20.0, 0.0], [float("-inf"), 0.0]])
+    batch = _batch(2, temperature=0.1, top_k=0, top_p=1.0, min_p=0.0)
+    batch.seed.zero_(), batch.sample_index.zero_()
+    batch.rng_pos.fill_(8488778)  # the counter at which seed 0, stream 0 draws u = 0
+    assert counter_uniform(batch.seed, batch.sample_index, batch.rng_pos).tolist() == [0.0, 0.0]
+    tokens, logprobs = _run(logits, batch, kernel)
+    assert tokens.tolist() == [1, 1]
+    torch.testing.assert_close(logprobs, torch.zeros(2))
+
+
+def test_greedy_rows_with_nan_take_the_nan_like_argmax(kernel):
+    logits = torch.tensor([[0.0, 5.0, float("nan"), 9.0], [1.0, 3.0, 3.0, 2.0]])
+    tokens, logprobs = _run(logits, _batch(2, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0), kernel)
+    assert tokens.tolist() == [2, 1] == logits.argmax(-1).tolist()
+    assert logprobs[0].isnan()
 
 
 @pytest.mark.parametrize(
