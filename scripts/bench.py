@@ -7,10 +7,10 @@ pages gathered for SDPA, unfused norms, rotary and SiLU, the torch-op
 sampler, torch's BLAS) to show what the compiled kernels of
 `rollout.cpu_kernels` and the GEMM choice pay, and a row times the sampler
 alone at Qwen2.5's vocabulary, where it costs as much as the LM head. The
-floor uses the faster of torch's BLAS and oneDNN, both measured here. Each
-side runs the whole workload once before it is timed
-(first-touch allocations); then `--repeats` rounds (default 3) time every
-side in turn, and the table shows medians and the ratio of each round.
+floor uses the fastest of torch's BLAS and oneDNN on plain and on packed
+weights, all measured here. Each side runs the whole workload once before it
+is timed (first-touch allocations); then `--repeats` rounds (default 3) time
+every side in turn, and the table shows medians and the ratio of each round.
 
     .venv/bin/python scripts/bench.py [--out runs/bench.json] [--skip-hf]
 
@@ -115,10 +115,13 @@ def time_hf(model, prompts, n: int, max_tokens: int, greedy: bool = False, stop_
     return sum(real_tokens(r, stop_ids or ()) for r in new), seconds
 
 
-def gemm_rate(rows: int = 256, seconds: float = 1.0, linear=torch.nn.functional.linear) -> float:
-    """Measured float32 GEMM FLOP/s of `linear` at the model's widest projection."""
+def gemm_rate(rows: int = 256, seconds: float = 1.0, linear=torch.nn.functional.linear, packed: bool = False) -> float:
+    """Measured float32 GEMM FLOP/s of `linear` at the model's widest projection;
+    `packed`: the weight in oneDNN's blocked layout, as the engine keeps it."""
     a = torch.randn(rows, BENCH_25M["hidden_size"])
     b = torch.randn(2 * BENCH_25M["intermediate_size"], BENCH_25M["hidden_size"])
+    if packed:
+        b = torch.ops.mkldnn._reorder_linear_weight(b, None)
     for _ in range(3):
         linear(a, b)
     count, start = 0, time.perf_counter()
@@ -130,10 +133,12 @@ def gemm_rate(rows: int = 256, seconds: float = 1.0, linear=torch.nn.functional.
 
 def best_gemm_rate() -> dict[str, float]:
     """The GEMM rates of torch's BLAS (`F.linear`, what transformers runs on) and
-    of oneDNN (what the engine may pick), and the best of them, which sets the floor."""
+    of oneDNN (what the engine may pick) on plain and on packed weights, and the
+    best of them, which sets the floor."""
     rates = {"blas": gemm_rate()}
     try:
         rates["onednn"] = gemm_rate(linear=onednn_linear)
+        rates["onednn_packed"] = gemm_rate(linear=onednn_linear, packed=True)
     except (AttributeError, RuntimeError):  # a torch build without oneDNN
         pass
     return {**rates, "best": max(rates.values())}
