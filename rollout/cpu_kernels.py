@@ -3,8 +3,9 @@
 - `paged_decode`: decode attention read in place from the paged KV pool.
 - `rms_norm`, `add_rms_norm_`, `rope_and_cache_`, `silu_mul`: a decoder
   layer's float32 elementwise steps, one op each instead of 2-14 torch ops.
-- `sample_rows`: sampling and logprobs of batches without top-k, top-p or
-  min-p, three passes over each row of logits instead of about a dozen ops.
+- `sample_rows`: sampling and logprobs, three passes over each row of logits
+  instead of about a dozen ops; with top-k, top-p or min-p, a sort of the
+  candidates that can be kept instead of the whole vocabulary.
 
 The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`)
 against the installed torch into one shared library named by a hash of the

@@ -94,12 +94,11 @@ def sample(
     final distribution in vocabulary order, so a row's token depends on its
     own logits and uniform alone, never on which path its batch took.
     `kernel` (the compiled `sample_rows` of `rollout.cpu_kernels`, for CPU
-    logits) samples batches without filters in one op, to float32 rounding
-    of this path.
+    logits) samples the batch in one op, to float32 rounding of this path.
     """
-    if kernel is not None and not p.any_filter:
+    if kernel is not None:
         u = counter_uniform(p.seed, p.sample_index, p.rng_pos)
-        kernel(logits, p.temperature, p.mode, u, out_tokens, out_logprobs)
+        kernel(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.mode, u, out_tokens, out_logprobs)
         return
     if p.all_greedy:
         tokens = logits.argmax(dim=-1)

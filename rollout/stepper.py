@@ -27,7 +27,7 @@ class Stepper:
     serves pure-decode steps from graphs; padding rows then write to
     `scratch_page`, a KV page no sequence owns. `decode_kernel` (see
     `rollout.cpu_kernels`) attends decodes in place instead of gathering pages;
-    `sample_kernel` samples batches without filters in one op."""
+    `sample_kernel` samples a batch in one op."""
 
     def __init__(
         self,

@@ -5,8 +5,9 @@ the compute floor, a batch-1 latency row and a long-prompt prefill row.
 On the CPU the engine also runs with `kernels="torch"` (torch ops only:
 pages gathered for SDPA, unfused norms, rotary and SiLU, the torch-op
 sampler, torch's BLAS) to show what the compiled kernels of
-`rollout.cpu_kernels` and the GEMM choice pay, and a row times the sampler
-alone at Qwen2.5's vocabulary, where it costs as much as the LM head. The
+`rollout.cpu_kernels` and the GEMM choice pay, and two rows time the sampler
+alone at Qwen2.5's vocabulary (where it costs as much as the LM head, and
+with top-p several times more), without filters and with top_p 0.95. The
 floor uses the fastest of torch's BLAS and oneDNN on plain and on packed
 weights, all measured here. Each side runs the whole workload once before it
 is timed (first-touch allocations); then `--repeats` rounds (default 3) time
@@ -156,9 +157,9 @@ def flops_per_token(context: int, config: dict = BENCH_25M) -> float:
     return 2 * dense_params(config) + attention
 
 
-def sampler_ms(rows: int = 64, vocab: int = 151936, rounds: int = 5) -> dict[str, float]:
+def sampler_ms(rows: int = 64, vocab: int = 151936, rounds: int = 5, top_p: float = 1.0) -> dict[str, float]:
     """Median ms per call of the sampler over random float32 logits `[rows, vocab]`
-    (temperature 1, no filters) on the torch path and through the compiled
+    (temperature 1, `top_p`) on the torch path and through the compiled
     `sample_rows`, alternating; the default vocabulary is Qwen2.5's."""
     from rollout.cpu_kernels import cpu_ops
     from rollout.sampler import SamplingBatch, sample
@@ -166,7 +167,7 @@ def sampler_ms(rows: int = 64, vocab: int = 151936, rounds: int = 5) -> dict[str
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
     zeros = torch.zeros(rows, dtype=torch.int64)
     ones = torch.ones(rows)
-    batch = SamplingBatch.of(ones, zeros, ones, torch.zeros(rows), zeros, seed=torch.arange(rows))
+    batch = SamplingBatch.of(ones, zeros, ones * top_p, torch.zeros(rows), zeros, seed=torch.arange(rows))
     tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
     paths = {"torch": None, "compiled": cpu_ops().sample_rows}
     times: dict[str, list[float]] = {name: [] for name in paths}
@@ -221,7 +222,7 @@ def run(args) -> dict:
     tokens1, seconds1 = time_engine(engine, prompts[:1], one)
     results["engine_batch1_ms_per_token"] = 1000 * seconds1 / tokens1
     if engine.config.kernels == "compiled":
-        results["sampler_ms_64x151936"] = sampler_ms()
+        results["sampler_ms_64x151936"] = {"none": sampler_ms(), "top_p_0.95": sampler_ms(top_p=0.95)}
     long_prompt = workload_prompts(1, 1024, seed=1)
     _, prefill_s = time_engine(engine, long_prompt, SamplingParams(max_tokens=1, temperature=0.0))
     results["engine_prefill_1024_tokens_per_s"] = 1024 / prefill_s
@@ -260,11 +261,10 @@ def print_table(r: dict) -> None:
     for name, ours, theirs in rows:
         ratio = f"{ours / theirs:8.2f}" if theirs else ""
         print(f"{name:28}{ours:12.2f}{(theirs or float('nan')):14.2f}{ratio}")
-    if "sampler_ms_64x151936" in r:
-        ms = r["sampler_ms_64x151936"]
+    for filters, ms in r.get("sampler_ms_64x151936", {}).items():
         print(
-            f"sampling 64 rows x 151936 vocab: compiled {ms['compiled']:.1f} ms, torch path {ms['torch']:.1f} ms "
-            f"({ms['torch'] / ms['compiled']:.1f}x; medians of 5 alternating calls)"
+            f"sampling 64 rows x 151936 vocab, filters {filters}: compiled {ms['compiled']:.1f} ms, "
+            f"torch path {ms['torch']:.1f} ms ({ms['torch'] / ms['compiled']:.1f}x; medians of 5 alternating calls)"
         )
     if "speedup_per_round" in r:
         rounds = ", ".join(f"{x:.2f}" for x in r["speedup_per_round"])

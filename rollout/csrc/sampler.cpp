@@ -1,23 +1,28 @@
-// Sampling from float32 logits on the CPU, for batches without top-k, top-p
-// or min-p: the fused form of rollout/sampler.py's `sample` for them.
+// Sampling from float32 logits on the CPU: the fused form of
+// rollout/sampler.py's `sample`.
 //
-// The torch path runs about a dozen full passes over [rows, vocab] (a
-// division, softmax, cumsum, two logsumexps, gathers), each a separate op
-// with its own temporaries; at a 152k vocabulary that took 49-118 ms per
-// decode step of 64 rows on 2 cores, about as long as the LM head's GEMM,
-// and this op 7-9 ms. Here a row is read three times (max; exp and block
-// sums; the walk inside one block) while it stays in cache.
+// Without filters the torch path runs about a dozen full passes over
+// [rows, vocab] (a division, softmax, cumsum, two logsumexps, gathers), each
+// a separate op with its own temporaries; at a 152k vocabulary that took
+// 49-118 ms per decode step of 64 rows on 2 cores, about as long as the LM
+// head's GEMM, and this op 7-9 ms. Here a row is read three times (max; exp
+// and block sums; the walk inside one block) while it stays in cache. With
+// top-k, top-p or min-p the torch path sorts the whole vocabulary; here only
+// the candidates that can be kept are sorted (see filtered_row).
 //
 // Semantics are the torch path's: greedy rows (temperature 0) take the first
 // maximum and report the raw logprob; other rows divide by the temperature,
-// invert the CDF of softmax(logits / T) in vocabulary order at the row's
-// uniform u (the first token whose cumulative mass exceeds u times the
-// total), and report the logprob of that token by the row's mode: 1 raw
-// (log_softmax(logits)), otherwise scaled (log_softmax(logits / T)), which
-// is also "processed" when no filter applies. The exp is vec_math.h's (about
-// 1 ulp, like torch's) and sums run in another order, so a logprob differs
-// from the torch path's by float32 rounding, and a token only where u falls
-// within rounding of a CDF step. A token of zero probability is never drawn.
+// keep the tokens the filters keep, invert the CDF of the kept tokens'
+// softmax(logits / T) in vocabulary order at the row's uniform u (the first
+// token whose cumulative mass exceeds u times the total), and report the
+// logprob of that token by the row's mode: 0 processed (the kept
+// distribution), 1 raw (log_softmax(logits)), 2 scaled (log_softmax(logits /
+// T)). The exp is vec_math.h's (about 1 ulp, like torch's) and sums run in
+// double and in another order, so a logprob differs from the torch path's by
+// float32 rounding, and a token (or the edge of the kept set) only within
+// rounding of a CDF step (or of top_p, min_p). Ties in the filters' order keep
+// the lower token id first, as a stable sort does; the torch path's sort is
+// not stable. A token of zero probability is never drawn.
 //
 // Built with the other kernels into one library by rollout/cpu_kernels.py.
 
@@ -63,6 +68,20 @@ struct Draw {
   float logprob;
 };
 
+// Per-thread scratch of one row: scaled logits or weights, block sums, candidate ids.
+struct Scratch {
+  explicit Scratch(int64_t n) : values(n), block_sums(n / kBlock + 1) { ids.reserve(n); }
+  std::vector<float> values;
+  std::vector<double> block_sums;
+  std::vector<int32_t> ids;
+};
+
+struct Filters {
+  int64_t top_k;  // 0 = off
+  float top_p;    // 1 = off
+  float min_p;    // 0 = off
+};
+
 Draw greedy_row(const float* x, int64_t n) {
   const float top = row_max(x, n);
   // The first maximum, as torch.argmax; like it, the first NaN if there is one.
@@ -74,11 +93,11 @@ Draw greedy_row(const float* x, int64_t n) {
   return {token, x[token] - log_sum_exp(x, n, top)};
 }
 
-// `weights` is scratch for n floats, `block_sums` for n / kBlock + 1. Sums run in double, as
-// torch's cumsum accumulates: float sums over a 152k vocabulary drift by 1e-6, enough to move
-// a token past its neighbours.
-Draw sample_row(const float* x, int64_t n, float temperature, int64_t mode, float u, float* weights,
-                double* block_sums) {
+// A row without filters. Sums run in double, as torch's cumsum accumulates: float sums over
+// a 152k vocabulary drift by 1e-6, enough to move a token past its neighbours.
+Draw sample_row(const float* x, int64_t n, float temperature, int64_t mode, float u, Scratch& scratch) {
+  float* weights = scratch.values.data();
+  double* block_sums = scratch.block_sums.data();
   const float top = row_max(x, n);
   const float scaled_top = top / temperature;  // division is monotone: the maximum of x / T
   const int64_t blocks = (n + kBlock - 1) / kBlock;
@@ -124,6 +143,114 @@ Draw sample_row(const float* x, int64_t n, float temperature, int64_t mode, floa
   return {token, logprob};
 }
 
+// A row with top-k, top-p or min-p, as rollout/sampler.py's `_apply_filters`: in the order
+// of s = x / T, descending (ties: lower token id first), the kept tokens are the longest
+// prefix of at most top_k tokens (at least one) in which every token has less than top_p of
+// the top-k set's mass before it and a probability at least min_p times the top one's. The
+// token is then drawn from the kept ones in vocabulary order, as on the unfiltered path.
+//
+// Sorting the whole vocabulary is what makes the torch path slow (600-700 ms per step of
+// 64 x 151936 on 2 cores). Here only candidates are sorted: the tokens above the first
+// depth below the top at which one filter is sure to end (top-k: k tokens above it; top-p:
+// their mass reaches top_p of the whole; min-p: it lies below log(min_p)), found with a
+// histogram of depths; every token when none ends sooner.
+Draw filtered_row(const float* x, int64_t n, float temperature, Filters f, int64_t mode, float u, Scratch& scratch) {
+  float* s = scratch.values.data();
+  const float top = row_max(x, n);
+  const float scaled_top = top / temperature;
+  double total = 0.;  // sum of all weights: the scaled distribution's normaliser
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = x[i] / temperature;
+    total += weight(s[i] - scaled_top);
+  }
+  const bool use_k = f.top_k > 0 && f.top_k < n;
+  // Histogram of how far below the top each token lies, with its weight: walking bins down
+  // from the top finds the first depth at which one filter is sure to end.
+  constexpr int kBins = 512;
+  constexpr float kDepth = 88.f;  // weights are 0 deeper than 87: below, only the order is left
+  constexpr float kWidth = kDepth / kBins;
+  int64_t counts[kBins] = {};
+  double masses[kBins] = {};
+  const bool by_mass = !use_k && f.top_p < 1.f;  // min-p alone needs no histogram: its depth is known
+  if (use_k || by_mass) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float depth = scaled_top - s[i];
+      if (depth < kDepth) {  // false for NaN and -inf
+        const int bin = std::min(kBins - 1, static_cast<int>(depth / kWidth));
+        ++counts[bin];
+        if (by_mass) masses[bin] += weight(-depth);
+      }
+    }
+  }
+  const float min_p_depth = f.min_p > 0.f ? -std::log(f.min_p) : std::numeric_limits<float>::infinity();
+  float cut = -std::numeric_limits<float>::infinity();  // every token, unless a filter ends sooner
+  int64_t count = 0;
+  double above = 0.;  // the weight of bins 0..bin
+  for (int bin = 0; bin < kBins; ++bin) {
+    count += counts[bin];
+    above += masses[bin];
+    const float deepest = (bin + 1) * kWidth;
+    const bool enough = use_k ? count >= f.top_k
+                              : (by_mass && above >= f.top_p * total * (1. + 1e-9)) || deepest > min_p_depth;
+    if (enough) {
+      cut = scaled_top - deepest - kWidth;  // one bin of margin for the rounding of `depth / kWidth`
+      break;
+    }
+  }
+  std::vector<int32_t>& ids = scratch.ids;
+  ids.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    if (s[i] >= cut) ids.push_back(static_cast<int32_t>(i));  // NaN never is a candidate
+  }
+  auto higher = [s](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
+  const int64_t limit = use_k ? std::min<int64_t>(f.top_k, ids.size()) : static_cast<int64_t>(ids.size());
+  if (limit < static_cast<int64_t>(ids.size())) {
+    std::partial_sort(ids.begin(), ids.begin() + limit, ids.end(), higher);
+  } else {
+    std::sort(ids.begin(), ids.end(), higher);
+  }
+  double norm = 0.;  // the mass of the top-k set (of everything without top-k)
+  if (use_k) {
+    for (int64_t j = 0; j < limit; ++j) norm += weight(s[ids[j]] - scaled_top);
+  } else {
+    norm = total;
+  }
+  int64_t keep = 0;
+  double prefix = 0.;
+  for (int64_t j = 0; j < limit; ++j) {
+    const float w = weight(s[ids[j]] - scaled_top);
+    if (j > 0 && ((f.top_p < 1.f && prefix >= f.top_p * norm) || (f.min_p > 0.f && w < f.min_p))) break;
+    keep = j + 1;
+    prefix += w;
+  }
+  if (keep == 0) return {0, std::numeric_limits<float>::quiet_NaN()};  // every logit NaN
+  // Draw from the kept tokens in vocabulary order.
+  std::sort(ids.begin(), ids.begin() + keep);
+  double kept = 0.;
+  for (int64_t j = 0; j < keep; ++j) kept += weight(s[ids[j]] - scaled_top);
+  const double target = u * kept;
+  int64_t token = -1;
+  double mass = 0.;
+  for (int64_t j = 0; j < keep && token < 0; ++j) {
+    mass += weight(s[ids[j]] - scaled_top);
+    if (mass > target) token = ids[j];
+  }
+  for (int64_t j = keep - 1; token < 0 && j >= 0; --j) {  // rounding left the target unreached
+    if (weight(s[ids[j]] - scaled_top) > 0.f || j == 0) token = ids[j];
+  }
+  const float scaled = s[token] - scaled_top;
+  float logprob;
+  if (mode == 1) {
+    logprob = x[token] - log_sum_exp(x, n, top);
+  } else if (mode == 2) {
+    logprob = scaled - static_cast<float>(std::log(total));
+  } else {
+    logprob = scaled - static_cast<float>(std::log(kept));
+  }
+  return {token, logprob};
+}
+
 void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t rows) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == 1 && t.size(0) == rows &&
                   t.is_contiguous(),
@@ -132,26 +259,38 @@ void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, i
 }
 
 // Draws one token per row of `logits` [R, V] into out_tokens [R] (int64) and its
-// logprob into out_logprobs [R] (float32). temperature [R] float32 (0 = greedy),
-// mode [R] int64 (0 processed, 1 raw, 2 scaled), uniform [R] float32 in [0, 1).
-void sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& mode,
-                 const at::Tensor& uniform, at::Tensor out_tokens, at::Tensor out_logprobs) {
+// logprob into out_logprobs [R] (float32). Per row: temperature float32 (0 = greedy),
+// top_k int64 (0 = off), top_p float32 in (0, 1] (1 = off), min_p float32 in [0, 1]
+// (0 = off), mode int64 (0 processed, 1 raw, 2 scaled), uniform float32 in [0, 1).
+void sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                 const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& mode, const at::Tensor& uniform,
+                 at::Tensor out_tokens, at::Tensor out_logprobs) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
-                  logits.size(1) > 0 && logits.stride(1) == 1,
+                  logits.size(1) > 0 && logits.size(1) <= std::numeric_limits<int32_t>::max() &&
+                  logits.stride(1) == 1,
               "logits must be a float32 CPU tensor [rows, vocab] with contiguous rows, got ", logits.scalar_type(),
               " ", logits.sizes());
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   check_vector(temperature, "temperature", at::kFloat, rows);
+  check_vector(top_k, "top_k", at::kLong, rows);
+  check_vector(top_p, "top_p", at::kFloat, rows);
+  check_vector(min_p, "min_p", at::kFloat, rows);
   check_vector(mode, "mode", at::kLong, rows);
   check_vector(uniform, "uniform", at::kFloat, rows);
   check_vector(out_tokens, "out_tokens", at::kLong, rows);
   check_vector(out_logprobs, "out_logprobs", at::kFloat, rows);
   const float* temps = temperature.data_ptr<float>();
+  const int64_t* ks = top_k.data_ptr<int64_t>();
+  const float* ps = top_p.data_ptr<float>();
+  const float* min_ps = min_p.data_ptr<float>();
   const int64_t* modes = mode.data_ptr<int64_t>();
   const float* us = uniform.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(temps[r] >= 0.f && std::isfinite(temps[r]), "temperature[", r, "] = ", temps[r],
                 " must be finite and >= 0");
+    TORCH_CHECK(ks[r] >= 0, "top_k[", r, "] = ", ks[r], " must be >= 0 (0 = off)");
+    TORCH_CHECK(ps[r] > 0.f && ps[r] <= 1.f, "top_p[", r, "] = ", ps[r], " must be in (0, 1]");
+    TORCH_CHECK(min_ps[r] >= 0.f && min_ps[r] <= 1.f, "min_p[", r, "] = ", min_ps[r], " must be in [0, 1]");
     TORCH_CHECK(modes[r] >= 0 && modes[r] <= 2, "mode[", r, "] = ", modes[r], " must be 0, 1 or 2");
     TORCH_CHECK(us[r] >= 0.f && us[r] < 1.f, "uniform[", r, "] = ", us[r], " must be in [0, 1)");
   }
@@ -160,13 +299,18 @@ void sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const 
   int64_t* tokens = out_tokens.data_ptr<int64_t>();
   float* logprobs = out_logprobs.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> weights(vocab);
-    std::vector<double> block_sums(vocab / kBlock + 1);
+    Scratch scratch(vocab);
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x + r * stride;
-      const Draw draw = temps[r] == 0.f ? greedy_row(row, vocab)
-                                        : sample_row(row, vocab, temps[r], modes[r], us[r], weights.data(),
-                                                     block_sums.data());
+      const Filters f{ks[r], ps[r], min_ps[r]};
+      Draw draw;
+      if (temps[r] == 0.f) {
+        draw = greedy_row(row, vocab);
+      } else if ((f.top_k > 0 && f.top_k < vocab) || f.top_p < 1.f || f.min_p > 0.f) {
+        draw = filtered_row(row, vocab, temps[r], f, modes[r], us[r], scratch);
+      } else {
+        draw = sample_row(row, vocab, temps[r], modes[r], us[r], scratch);
+      }
       tokens[r] = draw.token;
       logprobs[r] = draw.logprob;
     }
@@ -177,8 +321,8 @@ void sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const 
 
 TORCH_LIBRARY_FRAGMENT(rollout, m) {
   m.def(
-      "sample_rows(Tensor logits, Tensor temperature, Tensor mode, Tensor uniform, Tensor(a!) out_tokens, "
-      "Tensor(b!) out_logprobs) -> ()");
+      "sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor mode, "
+      "Tensor uniform, Tensor(a!) out_tokens, Tensor(b!) out_logprobs) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rollout, CPU, m) { m.impl("sample_rows", &sample_rows); }

@@ -1,6 +1,6 @@
 """The batched sampler against a float64 recompute and a chi-square test,
-on the torch path and, for batches without filters, through the compiled
-`sample_rows` kernel (`rollout.cpu_kernels`)."""
+on the torch path and through the compiled `sample_rows` kernel
+(`rollout.cpu_kernels`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,8 @@ from rollout.cpu_kernels import cpu_ops
 from rollout.sampler import MODE_CODES, SamplingBatch, counter_uniform, sample
 from tests.reference import processed_logprobs
 
-PATHS = ("torch", "compiled")  # `kernel` fixture values: the compiled path only serves batches without filters
 
-
-@pytest.fixture(params=PATHS)
+@pytest.fixture(params=["torch", "compiled"])
 def kernel(request):
     return cpu_ops().sample_rows if request.param == "compiled" else None
 
@@ -44,7 +42,7 @@ def _run(logits, batch, kernel=None):
     return tokens, logprobs
 
 
-def test_processed_logprobs_match_float64_recompute():
+def test_processed_logprobs_match_float64_recompute(kernel):
     g = torch.Generator().manual_seed(0)
     rows, vocab = 96, 50
     logits = torch.randn(rows, vocab, generator=g) * 3
@@ -53,20 +51,20 @@ def test_processed_logprobs_match_float64_recompute():
     top_p = torch.where(torch.rand(rows, generator=g) < 0.3, 1.0, torch.rand(rows, generator=g) * 0.9 + 0.05)
     min_p = torch.where(torch.rand(rows, generator=g) < 0.5, 0.0, torch.rand(rows, generator=g) * 0.3)
     batch = _batch(rows, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=3)
-    tokens, logprobs = _run(logits, batch)
+    tokens, logprobs = _run(logits, batch, kernel)
     for r in range(rows):
         ref = processed_logprobs(logits[r], temperature[r].item(), top_k[r].item(), top_p[r].item(), min_p[r].item())
         assert torch.isfinite(ref[tokens[r]]), f"row {r}: sampled a token the filters drop"
         assert abs(ref[tokens[r]].item() - logprobs[r].item()) < 2e-5, f"row {r}"
 
 
-def test_raw_and_scaled_modes_and_greedy():
+def test_raw_and_scaled_modes_and_greedy(kernel):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 30, generator=g) * 2
     temps = torch.tensor([0.7, 0.7, 0.7, 0.0, 0.0, 1.3])
     modes = torch.tensor([MODE_CODES[m] for m in ("raw", "scaled", "processed", "scaled", "processed", "scaled")])
     batch = _batch(6, temperature=temps, top_k=5, top_p=1.0, min_p=0.0, mode=modes)
-    tokens, logprobs = _run(logits, batch)
+    tokens, logprobs = _run(logits, batch, kernel)
     raw = torch.log_softmax(logits.double(), -1)
     scaled = torch.log_softmax(logits.double() / temps.clamp(min=1e-9).double()[:, None], -1)
     pick = tokens[:, None]
@@ -123,6 +121,19 @@ def test_counter_uniform_is_deterministic_and_uniform():
     assert not torch.equal(u, other)
 
 
+def _compiled(logits, temperature, mode, u, top_k=0, top_p=1.0, min_p=0.0):
+    """`sample_rows` over `logits` `[R, V]`; scalar filters apply to every row."""
+    rows = logits.shape[0]
+
+    def col(value, dtype):
+        return torch.as_tensor(value, dtype=dtype).expand(rows).contiguous()
+
+    tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
+    settings = (col(temperature, torch.float32), col(top_k, torch.int64), col(top_p, torch.float32))
+    cpu_ops().sample_rows(logits, *settings, col(min_p, torch.float32), col(mode, torch.int64), u, tokens, logprobs)
+    return tokens, logprobs
+
+
 def _inverse_cdf_float64(logits, temperature, mode, u):
     """Tokens and logprobs in float64: greedy rows take the first maximum and
     report the raw logprob; the others take the first token whose cumulative
@@ -154,8 +165,7 @@ def test_compiled_sampling_matches_a_float64_inverse_cdf(vocab):
     temperature[:3], temperature[3:6] = 0.0, 1.0
     mode = torch.arange(rows) % 3
     u = torch.rand(rows, generator=g)
-    tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
-    cpu_ops().sample_rows(logits, temperature, mode, u, tokens, logprobs)
+    tokens, logprobs = _compiled(logits, temperature, mode, u)
     expected_tokens, expected_logprobs = _inverse_cdf_float64(logits, temperature, mode, u)
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logprobs.double(), expected_logprobs, rtol=0, atol=1e-5)
@@ -168,8 +178,7 @@ def test_compiled_sampling_walks_the_cdf_exactly_and_skips_impossible_tokens():
     u = 0.25 (target 1) passes over token 1 (mass not above 1) and token 2 (no mass)."""
     logits = torch.tensor([float("-inf"), 0.0, -1000.0, 0.0, 0.0, 0.0]).repeat(6, 1)
     u = torch.tensor([0.0, 0.2, 0.25, 0.5, 0.99, 1 - 2**-24])
-    tokens, logprobs = torch.empty(6, dtype=torch.int64), torch.empty(6)
-    cpu_ops().sample_rows(logits, torch.ones(6), torch.full((6,), MODE_CODES["scaled"]), u, tokens, logprobs)
+    tokens, logprobs = _compiled(logits, 1.0, MODE_CODES["scaled"], u)
     assert tokens.tolist() == [1, 1, 3, 4, 5, 5]
     torch.testing.assert_close(logprobs, torch.full((6,), -torch.log(torch.tensor(4.0)).item()))
 
@@ -199,6 +208,9 @@ def test_greedy_rows_with_nan_take_the_nan_like_argmax(kernel):
     [
         ("temperature", -1.0, r"temperature\[1\] = -1 must be finite and >= 0"),
         ("temperature", float("nan"), r"temperature\[1\] = nan must be finite"),
+        ("top_k", -1, r"top_k\[1\] = -1 must be >= 0"),
+        ("top_p", 0.0, r"top_p\[1\] = 0 must be in \(0, 1\]"),
+        ("min_p", 1.5, r"min_p\[1\] = 1.5 must be in \[0, 1\]"),
         ("mode", 3, r"mode\[1\] = 3 must be 0, 1 or 2"),
         ("uniform", 1.0, r"uniform\[1\] = 1 must be in \[0, 1\)"),
         ("logits", None, "logits must be a float32 CPU tensor"),
@@ -209,6 +221,9 @@ def test_compiled_sampling_refuses_bad_inputs_before_writing(field, value, messa
     args = {
         "logits": torch.randn(3, 10),
         "temperature": torch.ones(3),
+        "top_k": torch.zeros(3, dtype=torch.int64),
+        "top_p": torch.ones(3),
+        "min_p": torch.zeros(3),
         "mode": torch.zeros(3, dtype=torch.int64),
         "uniform": torch.full((3,), 0.5),
         "out_tokens": torch.full((3,), -7, dtype=torch.int64),
@@ -225,13 +240,46 @@ def test_compiled_sampling_refuses_bad_inputs_before_writing(field, value, messa
         assert args["out_tokens"].tolist() == [-7] * 3
 
 
-def test_filtered_batches_stay_on_the_torch_path():
-    def refuse(*args):
-        raise AssertionError("the compiled sampler got a batch with filters")
+def _filtered_float64(logits, temperature, top_k, top_p, min_p, u):
+    """Token and processed logprob per row in float64 (tests/reference.py's kept set,
+    drawn by inverse CDF in vocabulary order)."""
+    tokens, logprobs = [], []
+    for r in range(logits.shape[0]):
+        ref = processed_logprobs(logits[r], temperature, top_k, top_p, min_p)
+        cdf = ref.exp().cumsum(-1)
+        token = int(torch.searchsorted(cdf, float(u[r]) * cdf[-1], right=True))
+        tokens.append(token)
+        logprobs.append(float(ref[token]))
+    return torch.tensor(tokens), torch.tensor(logprobs, dtype=torch.float64)
 
-    logits = torch.randn(8, 30, generator=torch.Generator().manual_seed(4))
-    batch = _batch(8, temperature=0.9, top_k=torch.tensor([0, 5] * 4), top_p=1.0, min_p=0.0, seed=2)
-    assert batch.any_filter
-    tokens, logprobs = _run(logits, batch, refuse)
-    expected_tokens, expected_logprobs = _run(logits, batch)
-    assert torch.equal(tokens, expected_tokens) and torch.equal(logprobs, expected_logprobs)
+
+@pytest.mark.parametrize(
+    "vocab, temperature, top_k, top_p, min_p",
+    [
+        (50, 0.8, 7, 1.0, 0.0),
+        (50, 1.3, 0, 0.6, 0.0),
+        (50, 1.0, 0, 1.0, 0.2),
+        (50, 0.7, 10, 0.8, 0.05),
+        (151936, 1.0, 50, 1.0, 0.0),  # Qwen2.5's vocabulary: candidates, not the whole row, are sorted
+        (151936, 0.9, 0, 0.95, 0.0),
+        (151936, 1.0, 0, 1.0, 0.01),
+        (151936, 0.6, 200, 0.9, 0.02),
+    ],
+)
+def test_compiled_filters_match_a_float64_reference(vocab, temperature, top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(vocab + top_k)
+    rows = 6
+    logits = torch.randn(rows, vocab, generator=g) * torch.tensor([1.0, 2.0, 3.0, 4.0, 6.0, 10.0])[:, None]
+    u = torch.rand(rows, generator=g)
+    tokens, logprobs = _compiled(logits, temperature, MODE_CODES["processed"], u, top_k, top_p, min_p)
+    expected_tokens, expected_logprobs = _filtered_float64(logits, temperature, top_k, top_p, min_p, u)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logprobs.double(), expected_logprobs, rtol=0, atol=1e-5)
+
+
+def test_compiled_filters_break_ties_by_token_id():
+    """Tokens 1, 2 and 3 tie: top-k 2 keeps tokens 1 and 2, as a stable sort orders them."""
+    logits = torch.tensor([1.0, 2.0, 2.0, 2.0, 0.0]).repeat(4, 1)
+    tokens, logprobs = _compiled(logits, 1.0, MODE_CODES["processed"], torch.tensor([0.0, 0.4, 0.6, 0.99]), 2)
+    assert tokens.tolist() == [1, 1, 2, 2]
+    torch.testing.assert_close(logprobs, torch.full((4,), -torch.log(torch.tensor(2.0)).item()))
