@@ -33,5 +33,6 @@ inline float vec_exp(float x) {
   p = madd(p, r, 1.6666665459e-1f);
   p = madd(p, r, 5.0000001201e-1f);
   p = madd(p * r, r, r + 1.f);
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  const int32_t exponent = n == n ? static_cast<int32_t>(n) : 0;  // NaN in, NaN out (p), without a NaN cast
+  return p * std::bit_cast<float>((exponent + 127) << 23);
 }

@@ -283,3 +283,14 @@ def test_compiled_filters_break_ties_by_token_id():
     tokens, logprobs = _compiled(logits, 1.0, MODE_CODES["processed"], torch.tensor([0.0, 0.4, 0.6, 0.99]), 2)
     assert tokens.tolist() == [1, 1, 2, 2]
     torch.testing.assert_close(logprobs, torch.full((4,), -torch.log(torch.tensor(2.0)).item()))
+
+
+def test_compiled_rows_with_nan_or_inf_report_nan_at_the_nan_or_inf():
+    """A corrupt row gets a NaN logprob on every path of the op, at the token
+    torch.argmax would pick, instead of a finite logprob from a silently shrunk
+    distribution."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, nan], [3.0, 2.0, inf, 0.0, 1.0]])
+    for filters in [(0, 1.0, 0.0), (0, 0.3, 0.0), (2, 1.0, 0.0), (0, 1.0, 0.1)]:
+        tokens, logprobs = _compiled(logits, 1.0, MODE_CODES["processed"], torch.tensor([0.99, 0.5]), *filters)
+        assert tokens.tolist() == [4, 2] and logprobs.isnan().all(), filters
