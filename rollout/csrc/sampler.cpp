@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -68,7 +69,7 @@ struct Draw {
   float logprob;
 };
 
-// Per-thread scratch of one row: scaled logits or weights, block sums, candidate ids.
+// Per-thread scratch of one row: scaled logits or weights, block sums, candidate keys.
 struct Scratch {
   explicit Scratch(int64_t n) : values(n), block_sums(n / kBlock + 1) { keys.reserve(n); }
   std::vector<float> values;
@@ -76,11 +77,11 @@ struct Scratch {
   std::vector<uint64_t> keys;  // candidates of a filtered row, see sort_key
 };
 
-// A key whose ascending order is s descending (+0 before -0), then token id ascending: the float's bits
-// made monotone as unsigned, inverted, above the id. Sorting these plain integers ran about
-// 1.5x faster than an indirect comparator over s where most of a row is a candidate (top_k
-// near the vocabulary, top_p 0.999999, a flat row): there the op still takes 1.1-2x the torch
-// path's time, as both sort about everything.
+// A key whose ascending order is s descending (+0 before -0), then token id ascending: the
+// float's bits made monotone as unsigned, inverted, above the id. Sorting these plain
+// integers ran about 1.5x faster than an indirect comparator over s where most of a row is
+// a candidate (top_k near the vocabulary, top_p 0.999999, a flat row): there the op still
+// takes 1.1-2x the torch path's time, as both sort about everything.
 inline uint64_t sort_key(float s, int64_t id) {
   const uint32_t bits = std::bit_cast<uint32_t>(s);
   const uint32_t ascending = bits & 0x80000000u ? ~bits : bits | 0x80000000u;
@@ -102,14 +103,14 @@ struct Filters {
   float min_p;    // 0 = off
 };
 
+// The first maximum, as torch.argmax (the first NaN, if any), and its raw logprob.
 Draw greedy_row(const float* x, int64_t n) {
   const float top = row_max(x, n);
-  // The first maximum, as torch.argmax; like it, the first NaN if there is one.
   int any_nan = 0;
 #pragma omp simd reduction(| : any_nan)
   for (int64_t i = 0; i < n; ++i) any_nan |= x[i] != x[i];
-  const int64_t token = any_nan ? std::find_if(x, x + n, [](float v) { return std::isnan(v); }) - x
-                                : std::find(x, x + n, top) - x;
+  if (any_nan) return nan_draw(x, n, top);
+  const int64_t token = std::find(x, x + n, top) - x;
   return {token, x[token] - log_sum_exp(x, n, top)};
 }
 
