@@ -1,5 +1,8 @@
-"""Batched sampling in tensor ops only: temperature, top-k, top-p, min-p,
-per-row counter-based randomness, and the three logprob modes.
+"""Batched sampling in tensor ops: temperature, top-k, top-p, min-p,
+per-row counter-based randomness, and the three logprob modes. CPU engines
+with compiled kernels run the same semantics as one op (`sample(kernel=...)`,
+`csrc/sampler.cpp`); this file stays the definition, and the path of CUDA
+engines and of `kernels="torch"`.
 
 Randomness is a pure function of (seed, sample index, output position), so a
 seeded request draws the same numbers alone or inside any batch, and a
