@@ -51,11 +51,6 @@ float row_max(const float* x, int64_t n) {
   return top;
 }
 
-// vec_exp(z), except exactly 0 below its clamp at -87 (where it returns 1.6e-38 rather than
-// less): a masked token (-inf) or one e^87 times less likely than the top must weigh nothing,
-// or a uniform of exactly 0 would draw it.
-inline float weight(float z) { return z < -87.f ? 0.f : vec_exp(z); }
-
 // log(sum(exp(x - top))) + top, summed in double like the sampling pass.
 float log_sum_exp(const float* x, int64_t n, float top) {
   double total = 0.;
@@ -114,6 +109,16 @@ Draw greedy_row(const float* x, int64_t n) {
   return {token, x[token] - log_sum_exp(x, n, top)};
 }
 
+// The logprob of `token` by mode: 1 raw (log_softmax(x)), 2 scaled (log_softmax(x / T)),
+// 0 processed (the kept tokens' distribution; all of them without filters). `total` and
+// `kept` are the weights exp(x / T - top / T) of all and of the kept tokens.
+float logprob_of(const float* x, int64_t n, float top, int64_t token, float temperature, int64_t mode, double total,
+                 double kept) {
+  if (mode == 1 && temperature != 1.f) return x[token] - log_sum_exp(x, n, top);
+  const float scaled = x[token] / temperature - top / temperature;  // at T = 1, raw is scaled
+  return scaled - static_cast<float>(std::log(mode == 0 ? kept : total));
+}
+
 // A row without filters. Sums run in double, as torch's cumsum accumulates: float sums over
 // a 152k vocabulary drift by 1e-6, enough to move a token past its neighbours.
 Draw sample_row(const float* x, int64_t n, float temperature, int64_t mode, float u, Scratch& scratch) {
@@ -128,7 +133,7 @@ Draw sample_row(const float* x, int64_t n, float temperature, int64_t mode, floa
     double sum = 0.;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = start; i < stop; ++i) {
-      weights[i] = weight(x[i] / temperature - scaled_top);
+      weights[i] = vec_exp(x[i] / temperature - scaled_top);
       sum += weights[i];
     }
     block_sums[b] = sum;
@@ -159,10 +164,7 @@ Draw sample_row(const float* x, int64_t n, float temperature, int64_t mode, floa
     token = n - 1;
     while (token > 0 && weights[token] == 0.f) --token;
   }
-  // At temperature 1, x / T is x: the raw logprob is the scaled one.
-  const float logprob = mode == 1 && temperature != 1.f ? x[token] - log_sum_exp(x, n, top)
-                                                        : x[token] / temperature - (scaled_top + static_cast<float>(std::log(total)));
-  return {token, logprob};
+  return {token, logprob_of(x, n, top, token, temperature, mode, total, total)};
 }
 
 // A row with top-k, top-p or min-p, as rollout/sampler.py's `_apply_filters`: in the order
@@ -184,7 +186,7 @@ Draw filtered_row(const float* x, int64_t n, float temperature, Filters f, int64
 #pragma omp simd reduction(+ : total)
   for (int64_t i = 0; i < n; ++i) {
     s[i] = x[i] / temperature;
-    total += weight(s[i] - scaled_top);
+    total += vec_exp(s[i] - scaled_top);
   }
   if (std::isnan(total)) return nan_draw(x, n, top);
   const bool use_k = f.top_k > 0 && f.top_k < n;
@@ -202,7 +204,7 @@ Draw filtered_row(const float* x, int64_t n, float temperature, Filters f, int64
       if (depth < kDepth) {  // false for NaN and -inf
         const int bin = std::min(kBins - 1, static_cast<int>(depth / kWidth));
         ++counts[bin];
-        if (by_mass) masses[bin] += weight(-depth);
+        if (by_mass) masses[bin] += vec_exp(-depth);
       }
     }
   }
@@ -229,7 +231,7 @@ Draw filtered_row(const float* x, int64_t n, float temperature, Filters f, int64
   const int64_t limit = use_k ? std::min<int64_t>(f.top_k, keys.size()) : static_cast<int64_t>(keys.size());
   if (limit < static_cast<int64_t>(keys.size())) std::nth_element(keys.begin(), keys.begin() + limit, keys.end());
   std::sort(keys.begin(), keys.begin() + limit);
-  auto weight_of = [&](uint64_t key) { return weight(s[key_id(key)] - scaled_top); };
+  auto weight_of = [&](uint64_t key) { return vec_exp(s[key_id(key)] - scaled_top); };
   double norm = 0.;  // the mass of the top-k set (of everything without top-k)
   if (use_k) {
     for (int64_t j = 0; j < limit; ++j) norm += weight_of(keys[j]);
@@ -258,16 +260,7 @@ Draw filtered_row(const float* x, int64_t n, float temperature, Filters f, int64
   for (int64_t j = keep - 1; token < 0 && j >= 0; --j) {  // rounding left the target unreached
     if (weight_of(keys[j]) > 0.f || j == 0) token = key_id(keys[j]);
   }
-  const float scaled = s[token] - scaled_top;
-  float logprob;
-  if (mode == 1) {
-    logprob = x[token] - log_sum_exp(x, n, top);
-  } else if (mode == 2) {
-    logprob = scaled - static_cast<float>(std::log(total));
-  } else {
-    logprob = scaled - static_cast<float>(std::log(kept));
-  }
-  return {token, logprob};
+  return {token, logprob_of(x, n, top, token, temperature, mode, total, kept)};
 }
 
 void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t rows) {

@@ -18,10 +18,12 @@ inline float madd(float a, float b, float c) {
 }
 
 // exp(x) to about 1 ulp: Cody-Waite range reduction to 2^n * exp(r),
-// |r| <= ln2/2, and Cephes' degree-6 polynomial. x is clamped to [-87, 88]:
-// below, the result (~1.6e-38 instead of less) is 0 next to any softmax
-// maximum or silu's 1 + exp(-x); above, float32 overflows anyway.
+// |r| <= ln2/2, and Cephes' degree-6 polynomial. Below -87 the result is
+// exactly 0 (float32 would reach only denormals there): a masked logit (-inf)
+// or one e^87 times below a softmax's maximum weighs nothing, so a sampler
+// never draws it. Above 88 it stays at exp(88), near float32's largest.
 inline float vec_exp(float x) {
+  const bool underflow = x < -87.f;
   x = std::min(std::max(x, -87.f), 88.f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   float r = madd(n, -0.693359375f, x);
@@ -34,5 +36,5 @@ inline float vec_exp(float x) {
   p = madd(p, r, 5.0000001201e-1f);
   p = madd(p * r, r, r + 1.f);
   const int32_t exponent = n == n ? static_cast<int32_t>(n) : 0;  // NaN in, NaN out (p), without a NaN cast
-  return p * std::bit_cast<float>((exponent + 127) << 23);
+  return underflow ? 0.f : p * std::bit_cast<float>((exponent + 127) << 23);
 }

@@ -122,15 +122,10 @@ def test_counter_uniform_is_deterministic_and_uniform():
 
 
 def _compiled(logits, temperature, mode, u, top_k=0, top_p=1.0, min_p=0.0):
-    """`sample_rows` over `logits` `[R, V]`; scalar filters apply to every row."""
-    rows = logits.shape[0]
-
-    def col(value, dtype):
-        return torch.as_tensor(value, dtype=dtype).expand(rows).contiguous()
-
-    tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
-    settings = (col(temperature, torch.float32), col(top_k, torch.int64), col(top_p, torch.float32))
-    cpu_ops().sample_rows(logits, *settings, col(min_p, torch.float32), col(mode, torch.int64), u, tokens, logprobs)
+    """`sample_rows` over `logits` `[R, V]` at the uniforms `u`; scalar settings apply to every row."""
+    b = _batch(logits.shape[0], temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, mode=mode)
+    tokens, logprobs = torch.empty(logits.shape[0], dtype=torch.int64), torch.empty(logits.shape[0])
+    cpu_ops().sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.mode, u, tokens, logprobs)
     return tokens, logprobs
 
 
