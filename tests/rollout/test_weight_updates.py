@@ -345,7 +345,7 @@ def test_packed_projection_copies_follow_every_commit(qwen2, hf_b):
     engine = make_engine(qwen2.path)
     if engine.model.packed is None:
         pytest.skip("this torch build has no oneDNN: projections use torch's BLAS and nothing is packed")
-    total = 4 * qwen2.hf.config.num_hidden_layers  # qkv, o, gate_up, down per layer; the LM head stays plain
+    total = 4 * qwen2.hf.config.num_hidden_layers + 1  # qkv, o, gate_up, down per layer, and the LM head
     assert engine.model.packed.per_step == 1  # a step repacks one weight of this small model
     assert engine.stats()["packed_weights"] == total
     one = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)  # three forward passes
@@ -364,3 +364,12 @@ def test_packed_projection_copies_follow_every_commit(qwen2, hf_b):
         {"model.layers.1.self_attn.k_proj.weight": hf_b.state_dict()["model.layers.1.self_attn.k_proj.weight"].clone()}
     )
     assert engine.stats()["packed_weights"] == total - 1
+    # The head is tied here: a push of the embedding alone drops the head's packed copy too.
+    embed = "model.embed_tokens.weight"
+    engine.update_weights({embed: hf_b.state_dict()[embed].clone()})
+    assert engine.stats()["packed_weights"] == total - 2
+    mixed = copy.deepcopy(qwen2.hf)
+    names = (embed, "model.layers.1.self_attn.k_proj.weight")
+    mixed.load_state_dict({n: hf_b.state_dict()[n] for n in names}, strict=False)
+    _assert_matches(mixed, engine.generate(PROMPTS[:1], one), version=4)
+    assert engine.stats()["packed_weights"] == total
