@@ -3,6 +3,9 @@
 - `paged_decode`: decode attention read in place from the paged KV pool.
 - `rms_norm`, `add_rms_norm_`, `rope_and_cache_`, `silu_mul`: a decoder
   layer's float32 elementwise steps, one op each instead of 2-14 torch ops.
+- `decode_layers`: every decoder layer of a pure-decode step in one op,
+  calling the kernels above and oneDNN's GEMMs from C++ in the order the
+  Python loop of `rollout.model` would.
 - `sample_rows`: sampling and logprobs, three passes over each row of logits
   instead of about a dozen ops; with top-k, top-p or min-p, a sort of the
   candidates that can be kept instead of the whole vocabulary.
@@ -33,9 +36,10 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampler.cpp")
+    Path(__file__).with_name("csrc") / name
+    for name in ("paged_attention.cpp", "fused_ops.cpp", "sampler.cpp", "decode_layers.cpp")
 )
-HEADERS = (Path(__file__).with_name("csrc") / "vec_math.h",)
+HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("vec_math.h", "kernels.h"))
 _VECTOR_FLAGS = {
     "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "AVX2": ["-mavx2", "-mfma"],

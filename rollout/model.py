@@ -153,9 +153,10 @@ class Model(nn.Module):
     With `cpu_ops` (the compiled `rollout.cpu_kernels`) and float32 weights,
     RMSNorm (fused with the residual add), rotary embedding with the KV write,
     and SiLU-times-up each run as one op, and projections run on oneDNN where
-    torch has it (`pick_linear`, named by `self.gemm`); other
-    dtypes keep the torch ops, whose bf16/fp16 rounding steps the reference
-    shares.
+    torch has it (`pick_linear`, named by `self.gemm`); a pure-decode step
+    then runs all its layers in one op (`decode_layers`), the same kernels
+    without the interpreter between them. Other dtypes keep the torch ops,
+    whose bf16/fp16 rounding steps the reference shares.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int, cpu_ops=None) -> None:
@@ -182,6 +183,12 @@ class Model(nn.Module):
             params = dict(self.named_parameters())
             names = [n for layer in self._proj_names for n in layer] + [self._head_name]
             self.packed = PackedWeights({n: params[n] for n in names})
+        # Pure-decode steps run all layers in one op (`decode_layers`) when every
+        # kernel it calls applies; q/k norms (qwen3) keep the Python loop.
+        self._one_op = self._ops is not None and self.gemm == "onednn" and not cfg.qk_norm
+        self._biases = [b for layer in self.layers for b in (layer.qkv_bias, layer.o_bias)]
+        self._norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
+        self._windows = [w or 0 for w in cfg.sliding_windows]
 
     def pack_weights(self) -> None:
         """Packs every projection weight and the LM head (after loading); without
@@ -200,10 +207,12 @@ class Model(nn.Module):
         if self.packed is not None:
             self.packed.changed(names)
 
+    def _weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The tensor a GEMM multiplies by for the parameter `name` (`weight`): its packed copy when current."""
+        return weight if self.packed is None else self.packed.weight(name)
+
     def _project(self, x: torch.Tensor, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        if self.packed is None:
-            return self._linear(x, weight, bias)
-        return onednn_linear(x, self.packed.weight(name), bias)
+        return self._linear(x, self._weight(name, weight), bias)
 
     @torch.inference_mode()
     def forward(
@@ -236,6 +245,8 @@ class Model(nn.Module):
         """The layers with each residual add folded into the next RMSNorm; `h` is updated in place."""
         eps, ops = self.cfg.rms_norm_eps, self._ops
         x = torch.empty_like(h)
+        if self._one_op and not meta.prefills and meta.decode_kernel is not None:
+            return self._decode_layers(h, x, positions, meta, kv)
         ops.rms_norm(h, self.layers[0].input_norm, eps, x)
         for i, layer in enumerate(self.layers):
             ops.add_rms_norm_(h, self._attention(i, layer, x, positions, meta, kv), layer.post_norm, eps, x)
@@ -244,6 +255,23 @@ class Model(nn.Module):
                 ops.add_rms_norm_(h, mlp, self.layers[i + 1].input_norm, eps, x)
             else:
                 h += mlp
+        return h
+
+    def _decode_layers(self, h, x, positions, meta, kv) -> torch.Tensor:
+        """`_fused_layers` for a pure-decode step, all in one op (`csrc/decode_layers.cpp`): the same
+        kernels in the same order, without the interpreter between them; `h` is updated in place."""
+        projections = zip(self._proj_names, self.layers, strict=True)
+        weights = [
+            self._weight(name, param)
+            for names, layer in projections
+            for name, param in zip(names, (layer.qkv, layer.o_proj, layer.gate_up, layer.down), strict=True)
+        ]
+        cfg, rotary = self.cfg, self.rotary
+        self._ops.decode_layers(
+            *(h, x, weights, self._biases, self._norms, cfg.rms_norm_eps, positions, rotary.cos, rotary.sin),
+            *(kv.k, kv.v, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens),
+            *(self._windows, self.scale, cfg.num_heads),
+        )
         return h
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -65,6 +66,15 @@ void rms_norm_rows(at::Tensor& h, const at::Tensor* delta, const at::Tensor& wei
     }
   });
 }
+
+inline void silu_mul_row(const float* __restrict g, const float* __restrict u, float* __restrict y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.f + vec_exp(-g[i])) * u[i];
+}
+
+}  // namespace
+
+namespace rollout_cpu {
 
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
   at::Tensor h = x;  // not written: no delta
@@ -144,11 +154,6 @@ void rope_and_cache_(at::Tensor q, const at::Tensor& k, const at::Tensor& v, con
   });
 }
 
-inline void silu_mul_row(const float* __restrict g, const float* __restrict u, float* __restrict y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.f + vec_exp(-g[i])) * u[i];
-}
-
 // out = silu(gate) * up for gate_up = [gate | up] along the last dimension.
 void silu_mul(const at::Tensor& gate_up, at::Tensor out) {
   const int64_t rows = gate_up.size(0), width = out.size(1);
@@ -163,7 +168,7 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor out) {
   });
 }
 
-}  // namespace
+}  // namespace rollout_cpu
 
 TORCH_LIBRARY_FRAGMENT(rollout, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
@@ -175,8 +180,8 @@ TORCH_LIBRARY_FRAGMENT(rollout, m) {
 }
 
 TORCH_LIBRARY_IMPL(rollout, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("rope_and_cache_", &rope_and_cache_);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &rollout_cpu::rms_norm);
+  m.impl("add_rms_norm_", &rollout_cpu::add_rms_norm_);
+  m.impl("rope_and_cache_", &rollout_cpu::rope_and_cache_);
+  m.impl("silu_mul", &rollout_cpu::silu_mul);
 }

@@ -28,6 +28,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -189,9 +190,11 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
 }
 
-void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor out, double scale,
-                  int64_t window) {
+}  // namespace
+
+void rollout_cpu::paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor out,
+                               double scale, int64_t window) {
   check_inputs(q, k_cache, v_cache, block_tables, context_lens, out);
   const float s = static_cast<float>(scale);
   switch (q.scalar_type()) {
@@ -206,12 +209,10 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
 }
 
-}  // namespace
-
 TORCH_LIBRARY(rollout, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
       "Tensor(a!) out, float scale, int window) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(rollout, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(rollout, CPU, m) { m.impl("paged_decode", &rollout_cpu::paged_decode); }

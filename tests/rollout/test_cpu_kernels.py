@@ -7,6 +7,8 @@ test_sampler.py."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -246,6 +248,35 @@ def test_engine_compiled_kernels_match_the_torch_path(checkpoints, family):
         for a, b in zip(ours.samples, theirs.samples, strict=True):
             assert a.token_ids == b.token_ids
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
+class CountingOps:
+    """The compiled ops namespace, counting which ops the model looks up."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, collections.Counter()
+
+    def __getattr__(self, name):
+        self.calls[name] += 1
+        return getattr(self.ops, name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)  # qwen2: q/k/v biases; qwen3: q/k norms; mistral: sliding window
+def test_decode_layers_op_equals_the_python_layer_loop(checkpoints, family):
+    """Pure-decode steps run every layer in one op, bit for bit as the Python
+    loop; prefill steps, and q/k-norm models throughout, keep the loop."""
+    params = SamplingParams(n=3, max_tokens=30, seed=5, ignore_eos=True)
+    prompts = [list(range(3, 3 + k)) for k in (4, 19, 33)]
+    results, calls = {}, {}
+    for one_op in (True, False):
+        engine = make_engine(checkpoints[family].path)
+        engine.model._one_op &= one_op
+        engine.model._ops = counting = CountingOps(engine.model._ops)
+        results[one_op] = [(s.token_ids, s.logprobs) for out in engine.generate(prompts, params) for s in out.samples]
+        calls[one_op] = counting.calls["decode_layers"]
+    assert results[True] == results[False]
+    decode_steps = max(len(tokens) for tokens, _ in results[True]) - 1  # the first step prefills
+    assert calls == {True: 0 if family == "qwen3" else decode_steps, False: 0}
 
 
 def test_half_precision_engines_keep_the_torch_elementwise_ops(qwen2):

@@ -1,0 +1,91 @@
+// The decoder layers of a pure-decode step as one op, float32 on the CPU.
+//
+// Model._fused_layers issues about 25 calls from Python per layer around its
+// four GEMMs (projections, views, the fused elementwise ops, attention). This
+// op makes the same calls in the same order from C++: the GEMMs through
+// oneDNN's linear (the op `onednn_linear` calls), the rest straight into this
+// library's kernels. Its results equal the Python loop's bit for bit. On
+// bench-25m it gave 2% more tokens/s (medians of 8 alternating runs in one
+// process: 2560 against 2508).
+//
+// Layout of the lists, for L layers: `weights` holds qkv, o, gate_up, down
+// per layer (packed or plain, as the caller chooses), `biases` qkv and o per
+// layer (None when absent), `norms` the input and post-attention RMSNorm
+// weights per layer, and `windows` each layer's sliding window (0: none).
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "kernels.h"
+
+namespace {
+
+// oneDNN's matmul, as torch's own compiler emits it for CPU linears.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
+void decode_layers(at::Tensor h, at::Tensor x, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+                   at::TensorList norms, double eps, const at::Tensor& positions, const at::Tensor& cos,
+                   const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                   const at::Tensor& block_tables, const at::Tensor& context_lens, at::IntArrayRef windows,
+                   double scale, int64_t num_heads) {
+  const int64_t layers = static_cast<int64_t>(windows.size());
+  TORCH_CHECK(layers >= 1, "decode_layers needs at least one layer");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == 2 * layers &&
+                  static_cast<int64_t>(norms.size()) == 2 * layers,
+              "decode_layers takes 4 weights, 2 biases and 2 norms per layer for ", layers, " layers; got ",
+              weights.size(), ", ", biases.size(), " and ", norms.size());
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == layers, "k_cache must be [", layers,
+              ", pages, page_size, kv_heads, head_dim], got ", k_cache.sizes());
+  TORCH_CHECK(h.dim() == 2 && x.sizes() == h.sizes(), "h and x must be [rows, hidden] alike, got ", h.sizes(), " and ",
+              x.sizes());
+  const int64_t rows = h.size(0), kv_heads = k_cache.size(3), head_dim = k_cache.size(4);
+  const int64_t q_size = num_heads * head_dim, kv_size = kv_heads * head_dim;
+  TORCH_CHECK(weights[0].size(0) == q_size + 2 * kv_size, "the qkv weight has ", weights[0].size(0), " rows, not ",
+              q_size + 2 * kv_size, " (", num_heads, " query and ", kv_heads, " KV heads of ", head_dim, ")");
+
+  rollout_cpu::rms_norm(h, norms[0], eps, x);
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor qkv = onednn_linear(x, weights[4 * i], biases.get(2 * i));
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, head_dim});
+    const at::Tensor k_layer = k_cache.select(0, i), v_layer = v_cache.select(0, i);
+    rollout_cpu::rope_and_cache_(q, k, v, positions, cos, sin, k_layer, v_layer, slots);
+    at::Tensor attn = at::empty({rows, num_heads, head_dim}, x.options());
+    rollout_cpu::paged_decode(q, k_layer, v_layer, block_tables, context_lens, attn, scale, windows[i]);
+    const at::Tensor o = onednn_linear(attn.view({rows, q_size}), weights[4 * i + 1], biases.get(2 * i + 1));
+    rollout_cpu::add_rms_norm_(h, o, norms[2 * i + 1], eps, x);
+    const at::Tensor gate_up = onednn_linear(x, weights[4 * i + 2], std::nullopt);
+    at::Tensor act = at::empty({rows, gate_up.size(1) / 2}, x.options());
+    rollout_cpu::silu_mul(gate_up, act);
+    const at::Tensor down = onednn_linear(act, weights[4 * i + 3], std::nullopt);
+    if (i + 1 < layers) {
+      rollout_cpu::add_rms_norm_(h, down, norms[2 * i + 2], eps, x);
+    } else {
+      h.add_(down);
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(rollout, m) {
+  m.def(
+      "decode_layers(Tensor(a!) h, Tensor(b!) x, Tensor[] weights, Tensor?[] biases, Tensor[] norms, float eps, "
+      "Tensor positions, Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots, "
+      "Tensor block_tables, Tensor context_lens, int[] windows, float scale, int num_heads) -> ()");
+}
+
+// Packed weights are oneDNN tensors, which dispatch on MkldnnCPU rather than CPU.
+TORCH_LIBRARY_IMPL(rollout, CPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(rollout, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
