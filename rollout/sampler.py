@@ -97,10 +97,12 @@ def sample(
     final distribution in vocabulary order, so a row's token depends on its
     own logits and uniform alone, never on which path its batch took.
     `kernel` (the compiled `sample_rows` of `rollout.cpu_kernels`, for CPU
-    logits) samples the batch in one op, to float32 rounding of this path.
+    logits) samples the batch in one op, to float32 rounding of this path, at
+    the uniforms of the library's `counter_uniform` (this file's, bit for bit).
     """
     if kernel is not None:
-        u = counter_uniform(p.seed, p.sample_index, p.rng_pos)
+        u = torch.empty_like(p.temperature)
+        torch.ops.rollout.counter_uniform(p.seed, p.sample_index, p.rng_pos, u)  # loaded with the kernel
         kernel(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.mode, u, out_tokens, out_logprobs)
         return
     if p.all_greedy:

@@ -121,6 +121,21 @@ def test_counter_uniform_is_deterministic_and_uniform():
     assert not torch.equal(u, other)
 
 
+def test_compiled_counter_uniform_equals_the_torch_definition():
+    """Bit for bit over the whole int64 range (negative seeds, counters past 2**32)."""
+    g = torch.Generator().manual_seed(3)
+    n = 100_000
+    seed, stream, counter = (torch.randint(-(2**63), 2**63 - 1, (n,), generator=g) for _ in range(3))
+    stream[:10], counter[:10], seed[:10] = 0, torch.arange(10), 0
+    out = torch.empty(n)
+    cpu_ops().counter_uniform(seed, stream, counter, out)
+    assert torch.equal(out, counter_uniform(seed, stream, counter))
+    with pytest.raises(RuntimeError, match="seed must be"):
+        cpu_ops().counter_uniform(seed.float(), stream, counter, out)
+    with pytest.raises(RuntimeError, match="counter must be"):
+        cpu_ops().counter_uniform(seed, stream, counter[:5], out)
+
+
 def _compiled(logits, temperature, mode, u, top_k=0, top_p=1.0, min_p=0.0):
     """`sample_rows` over `logits` `[R, V]` at the uniforms `u`; scalar settings apply to every row."""
     b = _batch(logits.shape[0], temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, mode=mode)
