@@ -8,7 +8,8 @@
   Python loop of `rollout.model` would.
 - `sample_rows`: sampling and logprobs, three passes over each row of logits
   instead of about a dozen ops; with top-k, top-p or min-p, a sort of the
-  candidates that can be kept instead of the whole vocabulary.
+  candidates that can be kept instead of the whole vocabulary;
+  `counter_uniform` draws its per-row uniforms, as `rollout.sampler` defines them.
 
 The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`)
 against the installed torch into one shared library named by a hash of the
