@@ -177,12 +177,13 @@ class Model(nn.Module):
         # Projection weights by parameter name, per layer: qkv, o_proj, gate_up, down.
         kinds = ("qkv", "o_proj", "gate_up", "down")
         self._proj_names = [tuple(f"layers.{i}.{kind}" for kind in kinds) for i in range(cfg.num_layers)]
-        self._head_name = "embed" if self.lm_head is None else "lm_head"
+        self._projections = [  # (name, parameter) per layer in that order; commits rebind data, never parameters
+            (f"layers.{i}.{kind}", getattr(layer, kind)) for i, layer in enumerate(self.layers) for kind in kinds
+        ]
+        self._head = ("embed", self.embed) if self.lm_head is None else ("lm_head", self.lm_head)  # (name, parameter)
         self.packed = None
         if self.gemm == "onednn":
-            params = dict(self.named_parameters())
-            names = [n for layer in self._proj_names for n in layer] + [self._head_name]
-            self.packed = PackedWeights({n: params[n] for n in names})
+            self.packed = PackedWeights(dict([*self._projections, self._head]))
         # Pure-decode steps run all layers in one op (`decode_layers`) when every
         # kernel it calls applies; q/k norms (qwen3) keep the Python loop.
         self._one_op = self._ops is not None and self.gemm == "onednn" and not cfg.qk_norm
@@ -238,8 +239,7 @@ class Model(nn.Module):
                 h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, eps), positions, meta, kv)
                 h = h + self._mlp(i, layer, rms_norm(h, layer.post_norm, eps))
         h = self._norm(h.index_select(0, sample_rows), self.norm)
-        head = self.embed if self.lm_head is None else self.lm_head
-        return self._project(h, self._head_name, head).float()
+        return self._project(h, *self._head).float()
 
     def _fused_layers(self, h, positions, meta, kv) -> torch.Tensor:
         """The layers with each residual add folded into the next RMSNorm; `h` is updated in place."""
@@ -260,12 +260,7 @@ class Model(nn.Module):
     def _decode_layers(self, h, x, positions, meta, kv) -> torch.Tensor:
         """`_fused_layers` for a pure-decode step, all in one op (`csrc/decode_layers.cpp`): the same
         kernels in the same order, without the interpreter between them; `h` is updated in place."""
-        projections = zip(self._proj_names, self.layers, strict=True)
-        weights = [
-            self._weight(name, param)
-            for names, layer in projections
-            for name, param in zip(names, (layer.qkv, layer.o_proj, layer.gate_up, layer.down), strict=True)
-        ]
+        weights = [self._weight(name, param) for name, param in self._projections]
         cfg, rotary = self.cfg, self.rotary
         self._ops.decode_layers(
             *(h, x, weights, self._biases, self._norms, cfg.rms_norm_eps, positions, rotary.cos, rotary.sin),

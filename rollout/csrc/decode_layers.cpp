@@ -33,11 +33,11 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const st
   return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
-void decode_layers(at::Tensor h, at::Tensor x, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
-                   at::TensorList norms, double eps, const at::Tensor& positions, const at::Tensor& cos,
-                   const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
-                   const at::Tensor& block_tables, const at::Tensor& context_lens, at::IntArrayRef windows,
-                   double scale, int64_t num_heads) {
+void decode_layers(at::Tensor h, at::Tensor x, at::TensorList weights,
+                   const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms, double eps,
+                   const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                   at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                   const at::Tensor& context_lens, at::IntArrayRef windows, double scale, int64_t num_heads) {
   const int64_t layers = static_cast<int64_t>(windows.size());
   TORCH_CHECK(layers >= 1, "decode_layers needs at least one layer");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == 2 * layers &&
