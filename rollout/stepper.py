@@ -164,13 +164,14 @@ class Stepper:
         device = self.ws.device
         for c in chunks:
             table = c.seq.block_table
+            if c.length == 1:  # most rows of most steps
+                page, offset = divmod(c.start, ps)
+                slots.append(table[page] * ps + offset)
+                decode_tables.append(table[: page + 1])
+                continue
             slots.extend(table[p // ps] * ps + p % ps for p in range(c.start, c.start + c.length))
-            pages = table[: -(-(c.start + c.length) // ps)]
-            if c.length > 1:
-                block = torch.tensor(pages, dtype=torch.int64, device=device)
-                prefills.append(PrefillSpan(len(slots) - c.length, c.length, c.start + c.length, block))
-            else:
-                decode_tables.append(pages)
+            block = torch.tensor(table[: -(-(c.start + c.length) // ps)], dtype=torch.int64, device=device)
+            prefills.append(PrefillSpan(len(slots) - c.length, c.length, c.start + c.length, block))
         num_decodes = len(decode_tables)
         width = max((len(t) for t in decode_tables), default=0)
         return AttentionMetadata(

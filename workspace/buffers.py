@@ -109,10 +109,10 @@ class InferenceWorkspace:
         if width > self.shape.max_pages_per_seq:
             raise ValueError(f"block table width {width} exceeds max_pages_per_seq {self.shape.max_pages_per_seq}")
         host = self._host_np["block_tables"]
+        n = len(tables)
+        host[:n, :width] = 0
         for i, row in enumerate(tables):
             host[i, : len(row)] = row
-            host[i, len(row) : width] = 0
-        n = len(tables)
         if self._separate_host:
             self._dev["block_tables"][:n, :width].copy_(self._host["block_tables"][:n, :width], non_blocking=True)
         return self._dev["block_tables"][:n, :width]
