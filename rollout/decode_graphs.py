@@ -171,10 +171,15 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._forward(key)
         except RuntimeError as e:
+            # When ending a failed capture raises, torch.cuda.graph never leaves
+            # its capture stream: make this thread's stream current again, so
+            # later steps stay ordered with work on it (weight commits).
+            torch.cuda.set_stream(stream)
             self._failed[key] = str(e)
             warnings.warn(f"decode graph {key} could not be captured, served eagerly: {e}", stacklevel=2)
             return None

@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -75,6 +76,19 @@ SMOKE = dict(
 )
 
 
+def graph_report(engine: Engine) -> dict:
+    """The engine's decode-graph counters, and why each failed capture failed
+    (a failed capture serves its steps eagerly, at eager speed)."""
+    stats = engine.stats()
+    graphs = engine.stepper.graphs
+    failures = graphs.capture_failures if graphs is not None else {}
+    return {
+        "graphs_captured": stats["decode_graphs_captured"],
+        "graph_replays": stats["decode_graph_replays"],
+        "graph_capture_failures": {str(key): why[:500] for key, why in failures.items()},
+    }
+
+
 def parity(root: Path, device: torch.device, config: dict) -> dict:
     """Teacher-forced bf16 logprobs of the engine's samples against transformers
     in bf16 on the same device, and CUDA graph replays against the same padded
@@ -114,9 +128,7 @@ def parity(root: Path, device: torch.device, config: dict) -> dict:
         "bf16_mean_abs_dlogprob": statistics.fmean(errors),
         "bf16_max_abs_dlogprob": max(errors),
         **compared,
-        "graphs_captured": graphed.stats()["decode_graphs_captured"],
-        "graph_capture_failures": graphed.stats()["decode_graph_capture_failures"],
-        "graph_replays": graphed.stats()["decode_graph_replays"],
+        **graph_report(graphed),
     }
 
 
@@ -129,7 +141,7 @@ def bench_25m(root: Path, device: torch.device, config: dict, prompts: int, n: i
     engine = Engine(path, device=device, **kw)
     batch = workload_prompts(prompts, 32, vocab=config["vocab_size"])
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, stop_token_ids=STOP_IDS, ignore_eos=True)
-    time_engine(engine, batch[:2], SamplingParams(n=2, max_tokens=8))  # warm-up (and first graphs)
+    time_engine(engine, batch, params)  # warm-up: the whole workload once, capturing its graphs
     time_hf(hf, batch[:2], 1, 4)
     tokens, seconds = time_engine(engine, batch, params)
     hf_tokens, hf_seconds = time_hf(hf, batch, n, max_tokens)
@@ -137,6 +149,7 @@ def bench_25m(root: Path, device: torch.device, config: dict, prompts: int, n: i
         "engine_tokens_per_s": tokens / seconds,
         "transformers_tokens_per_s": hf_tokens / hf_seconds,
         "speedup": (tokens / seconds) / (hf_tokens / hf_seconds),
+        **graph_report(engine),
     }
 
 
@@ -211,52 +224,83 @@ def qwen_05b(root: Path, device: torch.device, config: dict, batches: tuple[int,
             **floor,
             "step_over_floor": step / floor["floor_s"],
         }
-    out["graphs_captured"] = engine.stats()["decode_graphs_captured"]
+    out.update(graph_report(engine))
     return out
 
 
 def run(args) -> dict:
+    """Every section in turn; a section that raises records its traceback and
+    the others still run. The JSON is rewritten after each section, so a run
+    cut short keeps what it measured."""
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --smoke to check the script on the CPU")
     root = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    start = time.perf_counter()
-    results["parity"] = parity(root, device, SMOKE if smoke else PARITY)
     if smoke:
-        results["bench_25m"] = bench_25m(root, device, SMOKE, prompts=2, n=8, max_tokens=16)
-        results["qwen2.5_0.5b"] = qwen_05b(root, device, SMOKE, batches=(16, 32), max_tokens=16)
+        sections = {
+            "parity": lambda: parity(root, device, SMOKE),
+            "bench_25m": lambda: bench_25m(root, device, SMOKE, prompts=2, n=8, max_tokens=16),
+            "qwen2.5_0.5b": lambda: qwen_05b(root, device, SMOKE, batches=(16, 32), max_tokens=16),
+        }
     else:
-        results["bench_25m"] = bench_25m(root, device, BENCH_25M, prompts=16, n=8, max_tokens=128)
-        results["qwen2.5_0.5b"] = qwen_05b(root, device, QWEN25_05B, batches=(64, 256), max_tokens=128)
-    results["seconds"] = time.perf_counter() - start
+        sections = {
+            "parity": lambda: parity(root, device, PARITY),
+            "bench_25m": lambda: bench_25m(root, device, BENCH_25M, prompts=16, n=8, max_tokens=128),
+            "qwen2.5_0.5b": lambda: qwen_05b(root, device, QWEN25_05B, batches=(64, 256), max_tokens=128),
+        }
+    start = time.perf_counter()
+    for name, section in sections.items():
+        try:
+            results[name] = section()
+        except Exception:  # recorded, and the next section runs
+            traceback.print_exc()
+            results[name] = {"error": traceback.format_exc()}
+        results["seconds"] = time.perf_counter() - start
+        write_json(args.out, results)
     return results
 
 
+def write_json(path: Path, results: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+
+
 def print_table(r: dict) -> None:
-    p, b, q = r["parity"], r["bench_25m"], r["qwen2.5_0.5b"]
     print(f"device: {r['device']}   ({r['seconds']:.0f} s)")
-    print(
-        f"bf16 parity vs transformers: mean |dlogprob| {p['bf16_mean_abs_dlogprob']:.4f}, "
-        f"max {p['bf16_max_abs_dlogprob']:.4f}; identical samples, graphs vs padded eager "
-        f"{p.get('graph_vs_padded_identical_samples', '-')}, vs plain eager {p['graph_vs_plain_identical_samples']}; "
-        f"{p['graphs_captured']} graphs, {p['graph_replays']} replays"
-    )
+    ok = {}
+    for name in ("parity", "bench_25m", "qwen2.5_0.5b"):
+        section = r[name]
+        if "error" in section:
+            print(f"{name} FAILED: {section['error'].strip().splitlines()[-1]}")
+            continue
+        ok[name] = section
+        if section["graph_capture_failures"]:
+            print(f"{name}: graph captures failed, served eagerly: {section['graph_capture_failures']}")
+    if p := ok.get("parity"):
+        print(
+            f"bf16 parity vs transformers: mean |dlogprob| {p['bf16_mean_abs_dlogprob']:.4f}, "
+            f"max {p['bf16_max_abs_dlogprob']:.4f}; identical samples, graphs vs padded eager "
+            f"{p.get('graph_vs_padded_identical_samples', '-')}, vs plain eager "
+            f"{p['graph_vs_plain_identical_samples']}; {p['graphs_captured']} graphs, {p['graph_replays']} replays"
+        )
     header = ("engine tok/s", 14), ("HF tok/s", 12), ("speedup", 9), ("step ms", 9), ("floor ms", 10), ("x floor", 9)
     print(f"{'workload':26}" + "".join(f"{name:>{width}}" for name, width in header))
-    print(
-        f"{'bench-25m (fp32)':26}{b['engine_tokens_per_s']:14.0f}{b['transformers_tokens_per_s']:12.0f}"
-        f"{b['speedup']:9.2f}"
-    )
-    for name, row in q.items():
-        if name.startswith("batch_"):
-            print(
-                f"{'qwen2.5-0.5b bf16 ' + name:26}{row['engine_tokens_per_s']:14.0f}"
-                f"{row['transformers_tokens_per_s']:12.0f}{row['speedup']:9.2f}{row['decode_step_s'] * 1e3:9.2f}"
-                f"{row['floor_s'] * 1e3:10.2f}{row['step_over_floor']:9.2f}"
-            )
-    print(f"copy bandwidth {q['copy_bandwidth_gb_s']:.0f} GB/s, bf16 GEMM {q['bf16_gemm_tflop_s']:.1f} TFLOP/s")
+    if b := ok.get("bench_25m"):
+        print(
+            f"{'bench-25m (fp32)':26}{b['engine_tokens_per_s']:14.0f}{b['transformers_tokens_per_s']:12.0f}"
+            f"{b['speedup']:9.2f}"
+        )
+    if q := ok.get("qwen2.5_0.5b"):
+        for name, row in q.items():
+            if name.startswith("batch_"):
+                print(
+                    f"{'qwen2.5-0.5b bf16 ' + name:26}{row['engine_tokens_per_s']:14.0f}"
+                    f"{row['transformers_tokens_per_s']:12.0f}{row['speedup']:9.2f}"
+                    f"{row['decode_step_s'] * 1e3:9.2f}{row['floor_s'] * 1e3:10.2f}{row['step_over_floor']:9.2f}"
+                )
+        print(f"copy bandwidth {q['copy_bandwidth_gb_s']:.0f} GB/s, bf16 GEMM {q['bf16_gemm_tflop_s']:.1f} TFLOP/s")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -266,8 +310,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     results = run(args)
     print_table(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
     return results
 
 

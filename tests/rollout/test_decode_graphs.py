@@ -138,6 +138,28 @@ def test_cuda_graphs_match_the_eager_path_on_the_gpu(qwen2):  # pragma: no cover
     _assert_same(_flatten(_run(graphed)), _flatten(_run(plain)), atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_failed_capture_is_served_eagerly_on_this_threads_stream(qwen2):  # pragma: no cover - GPU machines only
+    kwargs = dict(device="cuda", max_batch_size=12)
+    plain = make_engine(qwen2.path, decode_graphs="off", **kwargs)
+    graphed = make_engine(qwen2.path, decode_graphs="cuda", **kwargs)
+    forward = graphed.stepper.graphs._forward
+
+    def syncs_under_capture(key):
+        if torch.cuda.is_current_stream_capturing():
+            graphed.workspace.buffer("positions").sum().item()  # a host sync: capture refuses it
+        forward(key)
+
+    graphed.stepper.graphs._forward = syncs_under_capture
+    stream = torch.cuda.current_stream()
+    with pytest.warns(UserWarning, match="could not be captured"):
+        runs = _flatten(_run(graphed))
+    assert torch.cuda.current_stream() == stream
+    stats = graphed.stats()
+    assert stats["decode_graphs_captured"] == 0 and stats["decode_graph_capture_failures"] > 0
+    _assert_same(runs, _flatten(_run(plain)), atol=1e-4)
+
+
 def test_a_mixed_step_between_padded_steps_does_not_leave_stale_padding(qwen2):
     """A prompt joins between two 3-row graph steps (bucket 4): its prefill step
     writes rows the padding used, which must be laid out again."""

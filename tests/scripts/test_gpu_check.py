@@ -43,3 +43,21 @@ def test_gpu_check_smoke_runs_every_check(tmp_path, capsys):
         row = results["qwen2.5_0.5b"][f"batch_{batch}"]
         assert row["decode_step_s"] > 0 and row["floor_s"] > 0 and row["speedup"] > 0
     assert "qwen2.5-0.5b bf16 batch_32" in capsys.readouterr().out
+
+
+def test_a_failing_section_is_recorded_and_the_others_run(tmp_path, capsys, monkeypatch):
+    gpu_check = _load()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture exploded")
+
+    monkeypatch.setattr(gpu_check, "bench_25m", broken)
+    out = tmp_path / "gpu_check.json"
+    results = gpu_check.main(["--smoke", "--out", str(out)])
+    assert "RuntimeError: capture exploded" in results["bench_25m"]["error"]
+    assert results["parity"]["graph_replays"] > 0  # the section before it
+    assert results["qwen2.5_0.5b"]["batch_32"]["speedup"] > 0  # and the one after it
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    printed = capsys.readouterr().out
+    assert "bench_25m FAILED: RuntimeError: capture exploded" in printed
+    assert "qwen2.5-0.5b bf16 batch_32" in printed
