@@ -88,9 +88,12 @@ def _assert_same(graphs, eager, atol=1e-5):
         torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), atol=atol, rtol=0)
 
 
-def test_padded_graph_steps_match_the_eager_path_and_transformers(qwen2):
-    eager = make_engine(qwen2.path, max_batch_size=12)
-    graphed = make_engine(qwen2.path, max_batch_size=12, decode_graphs="eager", debug_decode_cache=True)
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # "torch": the ops a CUDA engine runs (gathered pages, SDPA)
+def test_padded_graph_steps_match_the_eager_path_and_transformers(qwen2, kernels):
+    eager = make_engine(qwen2.path, max_batch_size=12, kernels=kernels)
+    graphed = make_engine(
+        qwen2.path, max_batch_size=12, kernels=kernels, decode_graphs="eager", debug_decode_cache=True
+    )
     runs = _run(graphed)
     _assert_same(_flatten(runs), _flatten(_run(eager)))
     stats = graphed.stats()
