@@ -11,7 +11,10 @@ with top-p several times more), without filters and with top_p 0.95. The
 floor uses the fastest of torch's BLAS and oneDNN on plain and on packed
 weights, all measured here. Each side runs the whole workload once before it
 is timed (first-touch allocations); then `--repeats` rounds (default 3) time
-every side in turn, and the table shows medians and the ratio of each round.
+every side in turn, each round followed by the floor's GEMM timing, so a
+round's fraction of the floor compares it with the machine as it was then
+(this machine's speed drifts: its BLAS rate fell by a third for minutes in
+one session). The table shows medians and the figures of each round.
 
     .venv/bin/python scripts/bench.py [--out runs/bench.json] [--skip-hf]
 
@@ -196,18 +199,31 @@ def run(args) -> dict:
     for timed in sides.values():
         timed()  # warm-up: every side runs the whole workload once first
     runs: dict[str, list[tuple[int, float]]] = {name: [] for name in sides}
+    round_rates: list[dict[str, float]] = []
     for _ in range(args.repeats):  # rounds alternate the sides, so a drifting machine hits them alike
         for name, timed in sides.items():
             runs[name].append(timed())
+        round_rates.append(best_gemm_rate())  # the floor of this round, measured next to it
     results: dict = {"threads": torch.get_num_threads(), "repeats": args.repeats}
-    rates = best_gemm_rate()
     tokens = statistics.mean(t for t, _ in runs["engine"])
-    floor = rates["best"] / flops_per_token(int(PROMPT_LEN + tokens / (PROMPTS * N) / 2))
-    results["floor"] = {"gemm_flops_per_s": rates["best"], "gemm_rates": rates, "tokens_per_s": floor}
+    flops = flops_per_token(int(PROMPT_LEN + tokens / (PROMPTS * N) / 2))
+    floors = [rates["best"] / flops for rates in round_rates]
+    rates = {key: statistics.median(r[key] for r in round_rates) for key in round_rates[0]}
+    results["floor"] = {
+        "gemm_flops_per_s": rates["best"],
+        "gemm_rates": rates,
+        "tokens_per_s": statistics.median(floors),
+        "runs_tokens_per_s": floors,
+    }
     for name, measured in runs.items():
         per_s = [t / sec for t, sec in measured]
-        median = statistics.median(per_s)
-        results[name] = {"tokens_per_s": median, "runs_tokens_per_s": per_s, "fraction_of_floor": median / floor}
+        fractions = [rate / floor for rate, floor in zip(per_s, floors, strict=True)]
+        results[name] = {
+            "tokens_per_s": statistics.median(per_s),
+            "runs_tokens_per_s": per_s,
+            "fraction_of_floor": statistics.median(fractions),
+            "runs_fraction_of_floor": fractions,
+        }
     results["engine"].update(kernels=engine.config.kernels, gemm=engine.model.gemm)
     if "transformers" in runs:
         ratios = [
@@ -266,12 +282,14 @@ def print_table(r: dict) -> None:
             f"sampling 64 rows x 151936 vocab, filters {filters}: compiled {ms['compiled']:.1f} ms, "
             f"torch path {ms['torch']:.1f} ms ({ms['torch'] / ms['compiled']:.1f}x; medians of 5 alternating calls)"
         )
-    if "speedup_per_round" in r:
-        rounds = ", ".join(f"{x:.2f}" for x in r["speedup_per_round"])
-        print(
-            f"rollout rows: medians of {r['repeats']} alternating rounds (ratio of medians); "
-            f"engine/transformers per round: {rounds}; batch-1 and prefill rows: one run each"
-        )
+    fractions = ", ".join(f"{x:.2f}" for x in r["engine"]["runs_fraction_of_floor"])
+    speedups = ", ".join(f"{x:.2f}" for x in r.get("speedup_per_round", []))
+    print(
+        f"rollout rows: medians of {r['repeats']} alternating rounds, each followed by its floor's GEMM timing; "
+        f"engine fraction of floor per round: {fractions}"
+        + (f"; engine/transformers per round: {speedups}" if speedups else "")
+        + "; batch-1 and prefill rows: one run each"
+    )
 
 
 def main() -> None:
