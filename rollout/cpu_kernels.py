@@ -38,7 +38,7 @@ import torch
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("paged_attention.cpp", "fused_ops.cpp", "sampler.cpp", "decode_layers.cpp")
+    for name in ("paged_attention.cpp", "fused_ops.cpp", "sampler.cpp", "decode_layers.cpp", "skinny_linear.cpp")
 )
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("vec_math.h", "kernels.h"))
 _VECTOR_FLAGS = {

@@ -46,6 +46,13 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+# Steps of at most this many rows project with the compiled `skinny_linear`
+# (`csrc/skinny_linear.cpp`, which takes no more): with one or two rows a
+# projection is a pass over its weight, which that kernel streams 1.2-2.5x
+# faster than oneDNN. Batch-1 latency and the last sequences of a batch run there.
+SKINNY_MAX_ROWS = 2
+
+
 def pick_linear(in_features: int) -> tuple[str, Callable]:
     """oneDNN's matmul when this torch has it and it computes a linear, else
     torch's BLAS (`F.linear`, MKL on x86).
@@ -87,7 +94,6 @@ class PackedWeights:
         self._packed: dict[str, torch.Tensor] = {}  # name -> blocked copy of the parameter's data
         self._stale: set[str] = set(params)  # copies that no longer match their parameter (or are missing)
         self.per_step = max(1, -(-len(params) // 32))
-        self._budget = 0
 
     def pack_all(self) -> None:
         for name in list(self._stale):
@@ -98,16 +104,14 @@ class PackedWeights:
         self._stale.update(self._params if names is None else (n for n in names if n in self._params))
 
     def start_step(self) -> None:
-        self._budget = self.per_step
+        """Repack up to `per_step` stale copies, in parameter order, whichever GEMMs the step runs."""
+        if self._stale:
+            for name in [n for n in self._params if n in self._stale][: self.per_step]:
+                self._repack(name)
 
     def weight(self, name: str) -> torch.Tensor:
-        """The packed copy of `name`, repacked now if stale and this step's budget allows; else the plain weight."""
-        if name in self._stale:
-            if self._budget <= 0:
-                return self._params[name]
-            self._budget -= 1
-            self._repack(name)
-        return self._packed[name]
+        """The packed copy of `name` when current, else the plain weight."""
+        return self._params[name] if name in self._stale else self._packed[name]
 
     def _repack(self, name: str) -> None:
         self._packed[name] = torch.ops.mkldnn._reorder_linear_weight(self._params[name].detach(), None)
@@ -213,7 +217,13 @@ class Model(nn.Module):
         return weight if self.packed is None else self.packed.weight(name)
 
     def _project(self, x: torch.Tensor, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if self._skinny(x.shape[0]):
+            return self._ops.skinny_linear(x, weight, bias)
         return self._linear(x, self._weight(name, weight), bias)
+
+    def _skinny(self, rows: int) -> bool:
+        """Whether a step of `rows` rows projects with `skinny_linear` (on the plain weights)."""
+        return self._ops is not None and rows <= SKINNY_MAX_ROWS
 
     @torch.inference_mode()
     def forward(
@@ -260,12 +270,13 @@ class Model(nn.Module):
     def _decode_layers(self, h, x, positions, meta, kv) -> torch.Tensor:
         """`_fused_layers` for a pure-decode step, all in one op (`csrc/decode_layers.cpp`): the same
         kernels in the same order, without the interpreter between them; `h` is updated in place."""
-        weights = [self._weight(name, param) for name, param in self._projections]
+        skinny = self._skinny(h.shape[0])
+        weights = [param if skinny else self._weight(name, param) for name, param in self._projections]
         cfg, rotary = self.cfg, self.rotary
         self._ops.decode_layers(
             *(h, x, weights, self._biases, self._norms, cfg.rms_norm_eps, positions, rotary.cos, rotary.sin),
             *(kv.k, kv.v, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens),
-            *(self._windows, self.scale, cfg.num_heads),
+            *(self._windows, self.scale, cfg.num_heads, skinny),
         )
         return h
 

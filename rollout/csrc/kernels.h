@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 namespace rollout_cpu {
 
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -15,5 +17,9 @@ void rope_and_cache_(at::Tensor q, const at::Tensor& k, const at::Tensor& v, con
                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                      const at::Tensor& slots);
 void silu_mul(const at::Tensor& gate_up, at::Tensor out);
+
+// Rows that skinny_linear takes at most (rollout.model.SKINNY_MAX_ROWS, the same number).
+constexpr int64_t kSkinnyMaxRows = 2;
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
 }  // namespace rollout_cpu

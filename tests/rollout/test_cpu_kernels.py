@@ -16,10 +16,10 @@ from rollout import SamplingParams, cpu_kernels
 from rollout.config import RopeConfig
 from rollout.cpu_kernels import KernelUnavailable, cpu_ops
 from rollout.engine_config import _kernels
-from rollout.model import onednn_linear, pick_linear, rms_norm
+from rollout.model import SKINNY_MAX_ROWS, onednn_linear, pick_linear, rms_norm
 from rollout.rope import RotaryTable
 from tests.conftest import make_engine
-from tests.factories import FAMILIES
+from tests.factories import FAMILIES, hf_logprobs
 from workspace import KVPool
 
 
@@ -262,11 +262,12 @@ class CountingOps:
 
 
 @pytest.mark.parametrize("family", FAMILIES)  # qwen2: q/k/v biases; qwen3: q/k norms; mistral: sliding window
-def test_decode_layers_op_equals_the_python_layer_loop(checkpoints, family):
+@pytest.mark.parametrize("n", [3, 2, 1])  # 9 rows per step; 2 and 1: skinny_linear's steps (SKINNY_MAX_ROWS)
+def test_decode_layers_op_equals_the_python_layer_loop(checkpoints, family, n):
     """Pure-decode steps run every layer in one op, bit for bit as the Python
     loop; prefill steps, and q/k-norm models throughout, keep the loop."""
-    params = SamplingParams(n=3, max_tokens=30, seed=5, ignore_eos=True)
-    prompts = [list(range(3, 3 + k)) for k in (4, 19, 33)]
+    params = SamplingParams(n=n, max_tokens=30, seed=5, ignore_eos=True)
+    prompts = [list(range(3, 3 + k)) for k in (4, 19, 33)][: 3 if n == 3 else 1]
     results, calls = {}, {}
     for one_op in (True, False):
         engine = make_engine(checkpoints[family].path)
@@ -274,9 +275,51 @@ def test_decode_layers_op_equals_the_python_layer_loop(checkpoints, family):
         engine.model._ops = counting = CountingOps(engine.model._ops)
         results[one_op] = [(s.token_ids, s.logprobs) for out in engine.generate(prompts, params) for s in out.samples]
         calls[one_op] = counting.calls["decode_layers"]
+        # Steps of one or two rows project through skinny_linear: the LM head at least, on both paths.
+        assert (counting.calls["skinny_linear"] > 0) == (n * len(prompts) <= SKINNY_MAX_ROWS)
     assert results[True] == results[False]
     decode_steps = max(len(tokens) for tokens, _ in results[True]) - 1  # the first step prefills
     assert calls == {True: 0 if family == "qwen3" else decode_steps, False: 0}
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("k", [64, 100, 1408])  # 100: a tail past the 32-lane blocks
+def test_skinny_linear_matches_a_float64_recompute(rows, k):
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    x, w, b = torch.randn(rows, k, generator=g), torch.randn(300, k, generator=g), torch.randn(300, generator=g)
+    expected = x.double() @ w.double().T
+    ops = cpu_ops()
+    torch.testing.assert_close(ops.skinny_linear(x, w, None).double(), expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(ops.skinny_linear(x, w, b).double(), expected + b.double(), rtol=0, atol=1e-4)
+    wide = torch.randn(rows, k + 7, generator=g)[:, 3 : 3 + k]  # rows with gaps between them
+    expected = wide.double() @ w.double().T
+    torch.testing.assert_close(ops.skinny_linear(wide, w, None).double(), expected, rtol=0, atol=1e-4)
+
+
+def test_skinny_linear_refuses_what_it_cannot_compute():
+    ops, w = cpu_ops(), torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match=f"1 to {SKINNY_MAX_ROWS} rows, got {SKINNY_MAX_ROWS + 1}"):
+        ops.skinny_linear(torch.randn(SKINNY_MAX_ROWS + 1, 16), w, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.skinny_linear(torch.randn(1, 16, dtype=torch.float64), w.double(), None)
+    with pytest.raises(RuntimeError, match=r"weight \[N, K\]"):
+        ops.skinny_linear(torch.randn(1, 15), w, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.skinny_linear(torch.randn(1, 16), w, torch.randn(7))
+    if torch.backends.mkldnn.is_available():
+        with pytest.raises(RuntimeError, match="MkldnnCPU"):  # packed: not the [N, K] layout it reads
+            ops.skinny_linear(torch.randn(1, 16), torch.ops.mkldnn._reorder_linear_weight(w, None), None)
+
+
+def test_batch_one_decoding_through_skinny_linear_matches_transformers(qwen2):
+    engine = make_engine(qwen2.path)
+    engine.model._ops = counting = CountingOps(engine.model._ops)
+    prompt = list(range(3, 20))
+    out = engine.generate([prompt], SamplingParams(max_tokens=20, seed=2, ignore_eos=True, logprobs_mode="raw"))[0]
+    assert counting.calls["skinny_linear"] > 0
+    sample = out.samples[0]
+    ref = hf_logprobs(qwen2.hf, prompt, sample.token_ids)
+    torch.testing.assert_close(torch.tensor(sample.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
 
 
 def test_half_precision_engines_keep_the_torch_elementwise_ops(qwen2):

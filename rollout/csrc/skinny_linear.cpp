@@ -1,0 +1,92 @@
+// x @ w.T (+ bias) for one or two rows of x, float32 on the CPU.
+//
+// With so few rows a projection is a pass over its weight: oneDNN streams the
+// weight at 18-25 GB/s there (the weight cycled out of cache, as in a decode
+// step), this kernel at 28-57 GB/s (1.2-2.5x faster at bench-25m's and
+// Qwen2.5-0.5B's shapes). It reads each weight row once, in plain [N, K]
+// layout, and multiplies it with every row of x, which stays in L1. At three
+// rows and more oneDNN is faster, so `Model` sends only steps of at most
+// SKINNY_MAX_ROWS rows here (batch-1 latency, and the last sequences of a
+// batch). Each dot product sums 32 lanes, then halves them pairwise: a fixed
+// order, so results do not depend on the thread count.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "kernels.h"
+#include "vec_math.h"
+
+namespace {
+
+constexpr int64_t kLanes = 32;
+
+template <int Rows>
+void skinny_block(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t k_size, int64_t n_begin,
+                  int64_t n_end, const float* __restrict bias, float* __restrict out, int64_t ldo) {
+  const int64_t body = k_size - k_size % kLanes;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const float* __restrict wn = w + n * k_size;
+    float acc[Rows][kLanes] = {};
+    for (int64_t k = 0; k < body; k += kLanes) {
+      for (int r = 0; r < Rows; ++r) {
+        const float* __restrict xr = x + r * ldx + k;
+#pragma omp simd
+        for (int64_t l = 0; l < kLanes; ++l) acc[r][l] = madd(xr[l], wn[k + l], acc[r][l]);
+      }
+    }
+    for (int r = 0; r < Rows; ++r) {
+      float tail = 0.f;
+      for (int64_t k = body; k < k_size; ++k) tail = madd(x[r * ldx + k], wn[k], tail);
+      for (int64_t width = kLanes / 2; width >= 1; width /= 2) {
+        for (int64_t l = 0; l < width; ++l) acc[r][l] += acc[r][l + width];
+      }
+      out[r * ldo + n] = acc[r][0] + tail + (bias != nullptr ? bias[n] : 0.f);
+    }
+  }
+}
+
+}  // namespace
+
+namespace rollout_cpu {
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "skinny_linear takes x [rows, K] and ",
+              "weight [N, K], got ", x.sizes(), " and ", weight.sizes());
+  const int64_t rows = x.size(0), k_size = x.size(1), n_size = weight.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= kSkinnyMaxRows, "skinny_linear takes 1 to ", kSkinnyMaxRows, " rows, got ", rows);
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && x.scalar_type() == at::kFloat &&
+                  weight.scalar_type() == at::kFloat,
+              "skinny_linear takes float32 CPU tensors");
+  TORCH_CHECK(x.stride(1) == 1 && weight.is_contiguous(), "x must be contiguous in K and weight contiguous");
+  const float* bias_data = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n_size && bias->is_contiguous() &&
+                    bias->scalar_type() == at::kFloat && bias->device().is_cpu(),
+                "bias must be a contiguous float32 CPU tensor [", n_size, "], got ", bias->sizes());
+    bias_data = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({rows, n_size}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  // Work items of 16 weight rows: a thread streams a contiguous span of the weight.
+  at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
+    if (rows == 1) {
+      skinny_block<1>(xp, ldx, wp, k_size, begin, end, bias_data, op, n_size);
+    } else {
+      skinny_block<2>(xp, ldx, wp, k_size, begin, end, bias_data, op, n_size);
+    }
+  });
+  return out;
+}
+
+}  // namespace rollout_cpu
+
+TORCH_LIBRARY_FRAGMENT(rollout, m) { m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+
+// CPU only: the dispatcher refuses a oneDNN-packed weight (MkldnnCPU), whose layout is not [N, K].
+TORCH_LIBRARY_IMPL(rollout, CPU, m) { m.impl("skinny_linear", &rollout_cpu::skinny_linear); }
