@@ -223,7 +223,7 @@ class Model(nn.Module):
 
     def _skinny(self, rows: int) -> bool:
         """Whether a step of `rows` rows projects with `skinny_linear` (on the plain weights)."""
-        return self._ops is not None and rows <= SKINNY_MAX_ROWS
+        return self._ops is not None and 0 < rows <= SKINNY_MAX_ROWS  # 0: a step that samples nothing
 
     @torch.inference_mode()
     def forward(

@@ -311,6 +311,17 @@ def test_skinny_linear_refuses_what_it_cannot_compute():
             ops.skinny_linear(torch.randn(1, 16), torch.ops.mkldnn._reorder_linear_weight(w, None), None)
 
 
+def test_a_step_that_samples_nothing_runs_on_the_compiled_kernels(qwen2):
+    """A prompt longer than the step budget prefills over several steps; those before its
+    last chunk sample no row, so the LM head gets none."""
+    engine = make_engine(qwen2.path, kernels="compiled", max_batch_size=8, max_step_tokens=8)
+    prompt = list(range(3, 33))
+    out = engine.generate([prompt], SamplingParams(max_tokens=5, seed=4, ignore_eos=True, logprobs_mode="raw"))[0]
+    sample = out.samples[0]
+    ref = hf_logprobs(qwen2.hf, prompt, sample.token_ids)
+    torch.testing.assert_close(torch.tensor(sample.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
+
+
 def test_batch_one_decoding_through_skinny_linear_matches_transformers(qwen2):
     engine = make_engine(qwen2.path)
     engine.model._ops = counting = CountingOps(engine.model._ops)

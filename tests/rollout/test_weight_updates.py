@@ -348,7 +348,9 @@ def test_packed_projection_copies_follow_every_commit(qwen2, hf_b):
     total = 4 * qwen2.hf.config.num_hidden_layers + 1  # qkv, o, gate_up, down per layer, and the LM head
     assert engine.model.packed.per_step == 1  # a step repacks one weight of this small model
     assert engine.stats()["packed_weights"] == total
-    one = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)  # three forward passes
+    # Three forward passes of three rows: decode steps run oneDNN on the packed or stale weights
+    # (one- and two-row steps take skinny_linear on the plain weights instead).
+    one = SamplingParams(n=3, max_tokens=3, temperature=0.0, ignore_eos=True)
 
     for version, (hf, state) in enumerate([(hf_b, hf_b.state_dict()), (qwen2.hf, qwen2.hf.state_dict())], start=1):
         engine.update_weights(state)  # the second update stages into the buffers the first one freed
