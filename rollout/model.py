@@ -178,16 +178,16 @@ class Model(nn.Module):
         )
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions, dtype, device)
         self.scale = cfg.head_dim**-0.5
-        # Projection weights by parameter name, per layer: qkv, o_proj, gate_up, down.
+        # (name, parameter) of each layer's projections: qkv, o_proj, gate_up, down; and of the LM head.
+        # Commits rebind the parameters' data, never the parameters.
         kinds = ("qkv", "o_proj", "gate_up", "down")
-        self._proj_names = [tuple(f"layers.{i}.{kind}" for kind in kinds) for i in range(cfg.num_layers)]
-        self._projections = [  # (name, parameter) per layer in that order; commits rebind data, never parameters
-            (f"layers.{i}.{kind}", getattr(layer, kind)) for i, layer in enumerate(self.layers) for kind in kinds
+        self._projections = [
+            tuple((f"layers.{i}.{kind}", getattr(layer, kind)) for kind in kinds) for i, layer in enumerate(self.layers)
         ]
-        self._head = ("embed", self.embed) if self.lm_head is None else ("lm_head", self.lm_head)  # (name, parameter)
+        self._head = ("embed", self.embed) if self.lm_head is None else ("lm_head", self.lm_head)
         self.packed = None
         if self.gemm == "onednn":
-            self.packed = PackedWeights(dict([*self._projections, self._head]))
+            self.packed = PackedWeights(dict([*(p for layer in self._projections for p in layer), self._head]))
         # Pure-decode steps run all layers in one op (`decode_layers`) when every
         # kernel it calls applies; q/k norms (qwen3) keep the Python loop.
         self._one_op = self._ops is not None and self.gemm == "onednn" and not cfg.qk_norm
@@ -271,7 +271,9 @@ class Model(nn.Module):
         """`_fused_layers` for a pure-decode step, all in one op (`csrc/decode_layers.cpp`): the same
         kernels in the same order, without the interpreter between them; `h` is updated in place."""
         skinny = self._skinny(h.shape[0])
-        weights = [param if skinny else self._weight(name, param) for name, param in self._projections]
+        weights = [
+            param if skinny else self._weight(name, param) for layer in self._projections for name, param in layer
+        ]
         cfg, rotary = self.cfg, self.rotary
         self._ops.decode_layers(
             *(h, x, weights, self._biases, self._norms, cfg.rms_norm_eps, positions, rotary.cos, rotary.sin),
@@ -290,8 +292,8 @@ class Model(nn.Module):
     def _attention(self, i, layer, x, positions, meta, kv) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        names = self._proj_names[i]
-        qkv = self._project(x, names[0], layer.qkv, layer.qkv_bias)
+        qkv_proj, o_proj, _, _ = self._projections[i]
+        qkv = self._project(x, *qkv_proj, layer.qkv_bias)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -306,18 +308,18 @@ class Model(nn.Module):
             q, k = self.rotary.apply(q, k, positions)
             kv.write(i, meta.slot_mapping, k, v)
         o = paged_attention(q, i, kv, meta, self.scale, cfg.sliding_windows[i])
-        return self._project(o.reshape(t, cfg.q_size), names[1], layer.o_proj, layer.o_bias)
+        return self._project(o.reshape(t, cfg.q_size), *o_proj, layer.o_bias)
 
     def _mlp(self, i, layer, x) -> torch.Tensor:
-        names = self._proj_names[i]
-        gate_up = self._project(x, names[2], layer.gate_up)
+        _, _, gate_up_proj, down_proj = self._projections[i]
+        gate_up = self._project(x, *gate_up_proj)
         if self._ops is not None:
             act = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
             self._ops.silu_mul(gate_up, act)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return self._project(act, names[3], layer.down)
+        return self._project(act, *down_proj)
 
     def weight_slots(self) -> dict[str, WeightSlot]:
         """Checkpoint (Hugging Face) tensor name -> where it lives here.

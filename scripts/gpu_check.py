@@ -238,18 +238,14 @@ def run(args) -> dict:
         raise SystemExit("no CUDA device: run with --smoke to check the script on the CPU")
     root = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    if smoke:
-        sections = {
-            "parity": lambda: parity(root, device, SMOKE),
-            "bench_25m": lambda: bench_25m(root, device, SMOKE, prompts=2, n=8, max_tokens=16),
-            "qwen2.5_0.5b": lambda: qwen_05b(root, device, SMOKE, batches=(16, 32), max_tokens=16),
-        }
-    else:
-        sections = {
-            "parity": lambda: parity(root, device, PARITY),
-            "bench_25m": lambda: bench_25m(root, device, BENCH_25M, prompts=16, n=8, max_tokens=128),
-            "qwen2.5_0.5b": lambda: qwen_05b(root, device, QWEN25_05B, batches=(64, 256), max_tokens=128),
-        }
+    # The smoke run takes the tiny model everywhere, fewer prompts, smaller batches and shorter samples.
+    parity_model, bench_model, qwen_model = (SMOKE, SMOKE, SMOKE) if smoke else (PARITY, BENCH_25M, QWEN25_05B)
+    prompts, batches, max_tokens = (2, (16, 32), 16) if smoke else (16, (64, 256), 128)
+    sections = {
+        "parity": lambda: parity(root, device, parity_model),
+        "bench_25m": lambda: bench_25m(root, device, bench_model, prompts=prompts, n=8, max_tokens=max_tokens),
+        "qwen2.5_0.5b": lambda: qwen_05b(root, device, qwen_model, batches=batches, max_tokens=max_tokens),
+    }
     start = time.perf_counter()
     for name, section in sections.items():
         try:
