@@ -62,17 +62,22 @@ def random_case(rows, hq, hkv, dim, *, page_size=4, pages=64, dtype=torch.float3
 
 
 @pytest.mark.parametrize(
-    "rows, hq, hkv, dim, window",
+    "rows, hq, hkv, dim, window, page_size",
     [
-        (3, 4, 4, 64, 0),  # few rows: heads split across threads; no GQA
-        (17, 8, 2, 64, 0),  # many rows: whole rows per work item; GQA groups of 4
-        (17, 6, 3, 128, 7),  # sliding window
-        (5, 4, 2, 24, 0),  # a head size without a specialised loop
-        (9, 2, 1, 32, 100),  # window wider than any context
+        (3, 4, 4, 64, 0, 4),  # few rows: heads split across threads; no GQA
+        (17, 8, 2, 64, 0, 4),  # many rows: whole rows per work item; GQA groups of 4
+        (17, 6, 3, 128, 7, 4),  # sliding window
+        (5, 4, 2, 24, 0, 4),  # a head size without a specialised loop
+        (9, 2, 1, 32, 100, 4),  # window wider than any context
+        # Contexts past 16 tokens, whole and partial blocks of the AVX-512 loop's reductions,
+        # and query groups wider than its pass 2 holds in registers at once (4 heads of 64, 2 of 128):
+        (7, 14, 2, 64, 0, 16),  # Qwen2.5-0.5B's heads, items per KV head: groups of 7 as 4 + 3
+        (9, 14, 2, 64, 0, 16),  # the same, whole rows per item
+        (10, 12, 2, 128, 0, 16),  # groups of 6 as 2 + 2 + 2
     ],
 )
-def test_float32_matches_a_float64_recompute(rows, hq, hkv, dim, window):
-    q, k, v, tables, lens, out = random_case(rows, hq, hkv, dim, seed=rows + dim)
+def test_float32_matches_a_float64_recompute(rows, hq, hkv, dim, window, page_size):
+    q, k, v, tables, lens, out = random_case(rows, hq, hkv, dim, page_size=page_size, seed=rows + dim)
     cpu_ops().paged_decode(q, k, v, tables, lens, out, dim**-0.5, window)
     expected = reference(q, k, v, tables, lens, dim**-0.5, window)
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6)
