@@ -83,6 +83,18 @@ def test_float32_matches_a_float64_recompute(rows, hq, hkv, dim, window, page_si
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("hq, hkv, dim", [(8, 4, 64), (14, 2, 64), (12, 2, 128), (4, 2, 24)])
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(hq, hkv, dim):
+    """Rows computed together (whole rows per work item) and one at a time (KV heads split
+    across threads) agree bit for bit: a sequence's logprobs do not depend on its batch."""
+    q, k, v, tables, lens, out = random_case(12, hq, hkv, dim, page_size=16, seed=hq + dim)
+    cpu_ops().paged_decode(q, k, v, tables, lens, out, dim**-0.5, 0)
+    for r in range(12):
+        alone = torch.empty(1, hq, dim)
+        cpu_ops().paged_decode(q[r : r + 1], k, v, tables[r : r + 1], lens[r : r + 1], alone, dim**-0.5, 0)
+        assert torch.equal(alone[0], out[r]), f"row {r}"
+
+
 @pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
 def test_half_precisions_accumulate_in_float32(dtype, atol):
     q, k, v, tables, lens, out = random_case(11, 8, 4, 64, dtype=dtype, seed=3)
