@@ -71,7 +71,7 @@ def random_case(rows, hq, hkv, dim, *, page_size=4, pages=64, dtype=torch.float3
         (9, 2, 1, 32, 100, 4),  # window wider than any context
         # Contexts past 16 tokens, whole and partial blocks of the AVX-512 loop's reductions,
         # and query groups wider than its pass 2 holds in registers at once (4 heads of 64, 2 of 128):
-        (7, 14, 2, 64, 0, 16),  # Qwen2.5-0.5B's heads, items per KV head: groups of 7 as 4 + 3
+        (7, 14, 2, 64, 0, 16),  # Qwen2.5-0.5B's heads, groups of 7 as 4 + 3; at 2 threads, items per KV head
         (9, 14, 2, 64, 0, 16),  # the same, whole rows per item
         (10, 12, 2, 128, 0, 16),  # groups of 6 as 2 + 2 + 2
     ],
