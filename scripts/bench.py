@@ -292,6 +292,12 @@ def print_table(r: dict) -> None:
     )
 
 
+def write_json(path: Path, results: dict) -> None:
+    """The results as indented JSON at `path` (its folder made if missing); the bench scripts share it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench.json"))
@@ -303,8 +309,7 @@ def main() -> None:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     results = run(args)
     print_table(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

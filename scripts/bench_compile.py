@@ -20,7 +20,6 @@ it the GEMMs stay on torch's BLAS.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,17 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import MAX_TOKENS, PROMPT_LEN, PROMPTS, STOP_IDS, N, make_checkpoint, time_engine, workload_prompts  # noqa: E402
+from bench import (  # noqa: E402
+    MAX_TOKENS,
+    PROMPT_LEN,
+    PROMPTS,
+    STOP_IDS,
+    N,
+    make_checkpoint,
+    time_engine,
+    workload_prompts,
+    write_json,
+)
 
 from rollout import Engine, SamplingParams  # noqa: E402
 from rollout.model import Model, rms_norm  # noqa: E402
@@ -114,8 +123,7 @@ def main() -> None:
         rate = results[name]["tokens_per_s"]
         print(f"  {name:20s} {rate:8.0f} tokens/s  {rate / base:5.2f}x torch ops")
     print(f"  first run of the compiled engine (compiling): {results['first_run_with_compile_s']:.1f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ GEMM rate in the model's dtype; the floor is the larger of the two.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from bench import (  # noqa: E402  (the bench-25m workload and its timers)
     time_engine,
     time_hf,
     workload_prompts,
+    write_json,
 )
 
 from rollout import Engine, SamplingParams  # noqa: E402
@@ -256,11 +256,6 @@ def run(args) -> dict:
         results["seconds"] = time.perf_counter() - start
         write_json(args.out, results)
     return results
-
-
-def write_json(path: Path, results: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2))
 
 
 def print_table(r: dict) -> None:
