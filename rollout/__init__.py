@@ -1,16 +1,25 @@
 """rollout: an RL rollout engine with policy-weight sync.
 
-`Engine` runs in-process on one device and never imports Ray; the cluster
-layer (`init`, `generate`, `push_weights`, ...) imports Ray when first used.
+The public surface lives here. `Engine` (`rollout.engine`) runs in-process on
+one device and never imports Ray; the cluster verbs (`init`, `generate`,
+`push_weights`, ...; `rollout.cluster`) import Ray when first used.
 """
 
-from .api import generate, health, init, policy_version, push_weights, shutdown, submit
-from .cluster import RolloutCluster
-from .engine import INFLIGHT_MODES, ClosedError, Engine, StepInfo, generation_pause
-from .handles import GenerationHandle, PushHandle
+from .cluster import (
+    GenerationHandle,
+    PushHandle,
+    RolloutCluster,
+    generate,
+    health,
+    init,
+    policy_version,
+    push_weights,
+    shutdown,
+    submit,
+)
+from .engine import INFLIGHT_MODES, ClosedError, Engine, PolicyVersionGuard, StepInfo, generation_pause
 from .outputs import RolloutOutput, Sample
 from .sampling_params import LOGPROBS_MODES, SamplingParams
-from .version_guard import PolicyVersionGuard
 
 __all__ = [
     "ClosedError",

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from .engine import Engine
+from .engine.engine import Engine
 from .sampling_params import LOGPROBS_MODES, SamplingParams
 
 

@@ -5,7 +5,7 @@ the compute floor, a batch-1 latency row and a long-prompt prefill row.
 On the CPU the engine also runs with `kernels="torch"` (torch ops only:
 pages gathered for SDPA, unfused norms, rotary and SiLU, the torch-op
 sampler, torch's BLAS) to show what the compiled kernels of
-`rollout.cpu_kernels` and the GEMM choice pay, and two rows time the sampler
+`rollout.kernels` and the GEMM choice pay, and two rows time the sampler
 alone at Qwen2.5's vocabulary (where it costs as much as the LM head, and
 with top-p several times more), without filters and with top_p 0.95. The
 floor uses the fastest of torch's BLAS and oneDNN on plain and on packed
@@ -16,7 +16,7 @@ round's fraction of the floor compares it with the machine as it was then
 (this machine's speed drifts: its BLAS rate fell by a third for minutes in
 one session). The table shows medians and the figures of each round.
 
-    .venv/bin/python scripts/bench.py [--out runs/bench.json] [--skip-hf]
+    .venv/bin/python -m scripts.bench [--out runs/bench.json] [--skip-hf]
 
 Prints a table and writes JSON. Timings are never asserted in tests.
 """
@@ -26,17 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rollout import Engine, SamplingParams  # noqa: E402
-from rollout.model import onednn_linear  # noqa: E402
+from rollout import Engine, SamplingParams
+from rollout.model.decoder import onednn_linear
 
 BENCH_25M = dict(
     vocab_size=4096,
@@ -164,8 +161,8 @@ def sampler_ms(rows: int = 64, vocab: int = 151936, rounds: int = 5, top_p: floa
     """Median ms per call of the sampler over random float32 logits `[rows, vocab]`
     (temperature 1, `top_p`) on the torch path and through the compiled
     `sample_rows`, alternating; the default vocabulary is Qwen2.5's."""
-    from rollout.cpu_kernels import cpu_ops
-    from rollout.sampler import SamplingBatch, sample
+    from rollout.engine.sampler import SamplingBatch, sample
+    from rollout.kernels.build import cpu_ops
 
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
     zeros = torch.zeros(rows, dtype=torch.int64)

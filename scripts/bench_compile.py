@@ -14,14 +14,13 @@ Inductor is run without freezing: freezing would pack the weights into the
 compiled code as constants, and a weight push would then go unseen. Without
 it the GEMMs stay on torch's BLAS.
 
-    .venv/bin/python scripts/bench_compile.py [--repeats 3] [--out runs/bench_compile.json]
+    .venv/bin/python -m scripts.bench_compile [--repeats 3] [--out runs/bench_compile.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 import types
@@ -30,10 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench import (  # noqa: E402
+from rollout import Engine, SamplingParams
+from rollout.model.decoder import Model, rms_norm
+from scripts.bench import (
     MAX_TOKENS,
     PROMPT_LEN,
     PROMPTS,
@@ -44,9 +42,6 @@ from bench import (  # noqa: E402
     workload_prompts,
     write_json,
 )
-
-from rollout import Engine, SamplingParams  # noqa: E402
-from rollout.model import Model, rms_norm  # noqa: E402
 
 
 def _add_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):

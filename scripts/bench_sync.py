@@ -6,7 +6,7 @@ of the same bytes timed in the same run, and the naive `ray.put` of the dict.
 Also the longest pause in token production during a push against the median
 decode step, while both actors generate.
 
-    .venv/bin/python scripts/bench_sync.py [--pushes 10] [--warmup 3] [--out runs/bench_sync.json]
+    .venv/bin/python -m scripts.bench_sync [--pushes 10] [--warmup 3] [--out runs/bench_sync.json]
 """
 
 from __future__ import annotations
@@ -14,18 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import rollout  # noqa: E402
-from rollout import SamplingParams, generation_pause  # noqa: E402
-from rollout.synthetic import qwen2_config, random_state, write_checkpoint  # noqa: E402
+import rollout
+from rollout import SamplingParams, generation_pause
+from scripts.synthetic import qwen2_config, random_state, write_checkpoint
 
 CONFIG = qwen2_config()
 

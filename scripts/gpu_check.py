@@ -5,8 +5,8 @@ CUDA graphs against the eager path, `bench-25m` against transformers
 against transformers and against the floor of a decode step. Prints a table
 and writes JSON.
 
-    python scripts/gpu_check.py [--out runs/gpu_check.json]
-    python scripts/gpu_check.py --smoke   # tiny sizes on the CPU: checks the script, not a GPU
+    python -m scripts.gpu_check [--out runs/gpu_check.json]
+    python -m scripts.gpu_check --smoke   # tiny sizes on the CPU: checks the script, not a GPU
 
 Drives `rollout.Engine` directly (no Ray). Floors of a decode step: memory
 = (weight bytes + KV bytes read) / measured copy bandwidth (bytes read and
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -26,10 +25,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench import (  # noqa: E402  (the bench-25m workload and its timers)
+from rollout import Engine, SamplingParams
+from scripts.bench import (  # the bench-25m workload and its timers
     BENCH_25M,
     STOP_IDS,
     dense_params,
@@ -41,8 +38,6 @@ from bench import (  # noqa: E402  (the bench-25m workload and its timers)
     workload_prompts,
     write_json,
 )
-
-from rollout import Engine, SamplingParams  # noqa: E402
 
 QWEN25_05B = dict(
     vocab_size=151936,

@@ -3,7 +3,7 @@
 sampling settings while weights are pushed every half second, cycling
 through every in-flight mode; prints a report and fails on any problem.
 
-    .venv/bin/python scripts/soak.py [--seconds 120] [--callers 4] [--out runs/soak.json]
+    .venv/bin/python -m scripts.soak [--seconds 120] [--callers 4] [--out runs/soak.json]
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import rollout  # noqa: E402
-from rollout.soak import SOAK_CLUSTER, soak  # noqa: E402
-from rollout.synthetic import qwen2_config, random_state, write_checkpoint  # noqa: E402
+import rollout
+from scripts.soak_harness import SOAK_CLUSTER, soak
+from scripts.synthetic import qwen2_config, random_state, write_checkpoint
 
 
 def main() -> int:

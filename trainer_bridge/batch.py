@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from rollout import RolloutOutput, SamplingParams
-from rollout.sampler import MODE_CODES
+from rollout.engine.sampler import MODE_CODES
 
 
 @dataclass

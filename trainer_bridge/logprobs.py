@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.sampler import SamplingBatch, logprobs_of
+from rollout.engine.sampler import SamplingBatch, logprobs_of
 
 from .batch import RolloutBatch
 

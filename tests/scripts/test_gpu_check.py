@@ -3,22 +3,12 @@ tiny models and reports sane values (the GPU figures come from a GPU run)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from scripts import gpu_check
 
 
 def test_decode_floor_by_hand():
-    gpu_check = _load()
     # SMOKE: hidden 64, intermediate 128, 2 layers, vocab 256, 4 heads of 16, 2 KV heads, tied.
     # Dense params: 2 * (64*(64+2*32) + 64*64 + 3*64*128) + 256*64 = 90112 -> 180224 bf16 bytes.
     # KV read: 2 rows * 10 tokens * 2 layers * (K and V) * 32 * 2 bytes = 5120 bytes.
@@ -30,7 +20,6 @@ def test_decode_floor_by_hand():
 
 
 def test_gpu_check_smoke_runs_every_check(tmp_path, capsys):
-    gpu_check = _load()
     out = tmp_path / "gpu_check.json"
     results = gpu_check.main(["--smoke", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
@@ -46,7 +35,6 @@ def test_gpu_check_smoke_runs_every_check(tmp_path, capsys):
 
 
 def test_a_failing_section_is_recorded_and_the_others_run(tmp_path, capsys, monkeypatch):
-    gpu_check = _load()
 
     def broken(*args, **kwargs):
         raise RuntimeError("capture exploded")

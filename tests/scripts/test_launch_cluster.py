@@ -19,7 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DRIVER = textwrap.dedent(
     """
     import json, sys, time, copy
-    sys.path.insert(0, {root!r})
     import torch
     import rollout
     from rollout import SamplingParams

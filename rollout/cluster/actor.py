@@ -1,0 +1,264 @@
+"""`RolloutWorker`: one engine behind a transport. It is plain Python and
+never imports Ray, so everything it does is testable in-process; the cluster
+turns it into the `@ray.remote` actor (`RolloutActor`), which adds transport
+only. Each method is a thin call into the engine or the wire format."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..engine.engine import Engine
+from ..engine.requests import PromptLimits
+from ..engine.weight_update import StagedUpdate, all_finite
+from ..outputs import RolloutOutput
+from ..sampling_params import SamplingParams
+from .wire import Manifest, TensorEntry
+from .wire_receive import assemble, unpack, unpack_entries, verification_shares, verify_entries
+
+
+def resident_bytes(kind: str = "VmRSS") -> int:
+    """This process's resident memory from /proc/self/status (0 where unavailable).
+
+    `kind`: "VmRSS" (all), "RssAnon" (private memory: what a leak grows),
+    "RssFile" or "RssShmem" (mapped files and shared memory, such as Ray's
+    object store pages the process has read).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(kind + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def cap_malloc_arenas(arenas: int = 2) -> bool:
+    """Limit glibc to `arenas` malloc arenas in this process.
+
+    An actor serves calls on many threads, and glibc gives threads their own
+    arenas that keep freed memory: measured in a soak, actor memory grew
+    without levelling off; capped, it levels off. A no-op (False) off glibc.
+    """
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").mallopt(-8, arenas) == 1  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        return False
+
+
+def check_bucket(bucket: np.ndarray, entries: tuple[TensorEntry, ...], checksums: bool = True) -> None:
+    """Checksums (unless told the bytes never left the trainer's node), then
+    NaN/inf; raises `ValueError` naming the first bad tensor."""
+    if checksums:
+        verify_entries(bucket, entries)
+    for name, tensor in unpack_entries(bucket, entries).items():
+        if tensor.is_floating_point() and not all_finite(tensor):
+            raise ValueError(f"state_dict[{name!r}] holds NaN or inf values")
+
+
+def lower_thread_priority(niceness: int = 10) -> None:
+    """Make the calling thread yield the CPU to the process's other threads
+    (Linux: a thread id's own nice value); a no-op where unsupported."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+    except (AttributeError, OSError):
+        pass
+
+
+def touch_pages(bucket: np.ndarray, page: int = 4096) -> None:
+    """Read one byte per memory page of `bucket`, so the page-table work of
+    a fresh object-store mapping happens here rather than in the first
+    decode step after a commit (seen as a doubled generation pause)."""
+    if bucket.nbytes:
+        int(bucket[::page].max())
+
+
+def _checked_share(share) -> tuple[int, int]:
+    if (
+        not isinstance(share, tuple)
+        or len(share) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in share)
+        or not 0 <= share[0] < share[1]
+    ):
+        raise ValueError(f"share must be (part, parts) with 0 <= part < parts, got {share!r}")
+    return share
+
+
+class RolloutWorker:
+    """Owns one `Engine`. With `manifest`, `version` and `buckets` (each
+    bucket as its segments), it loads those published weights before
+    serving (a replacement actor)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        engine_kwargs: dict,
+        num_threads: int | None = None,
+        manifest: Manifest | None = None,
+        version: int | None = None,
+        *buckets: list[np.ndarray],
+    ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        cap_malloc_arenas()
+        self.engine = Engine(model_path, **engine_kwargs)
+        self._incoming: dict[str, dict[int, tuple[tuple[TensorEntry, ...], np.ndarray]]] = {}
+        self._prepared: dict[str, tuple[StagedUpdate, tuple[np.ndarray, ...]]] = {}
+        self._lock = threading.Lock()
+        self._faults: dict[str, str] = {}
+        self._buckets_copied = 0  # buckets whose segments arrived apart and were copied together
+        self._finished: deque[str] = deque(maxlen=64)  # push ids prepared or aborted: late buckets are dropped
+        # Verifying a push yields the CPU to generation: on a busy host its
+        # scans would otherwise stretch the decode steps they overlap.
+        self._background = ThreadPoolExecutor(1, "rollout-verify", initializer=lower_thread_priority)
+        if manifest is not None:
+            for index, segments in enumerate(buckets):
+                self.stage_bucket("published", index, manifest.bucket_entries(index), segments)
+            self.prepare_push("published", manifest)
+            self.commit_push("published", version, "keep")
+
+    def describe(self) -> dict:
+        """What the driver needs to validate prompts: limits, eos ids, tokenizer."""
+        codec = self.engine.codec
+        return {
+            "limits": PromptLimits.of(self.engine.config, self.engine.model_config),
+            "eos_token_ids": codec.eos_token_ids if codec else self.engine.model_config.eos_token_ids,
+            "tokenizer_json": codec.to_json() if codec else None,
+            "pid": os.getpid(),
+            "version": self.engine.policy_version,
+            "dtype": str(self.engine.config.dtype).removeprefix("torch."),
+        }
+
+    def generate_stream(
+        self, indices: list[int], prompts: list[list[int]], params: SamplingParams
+    ) -> Iterator[RolloutOutput]:
+        """Each prompt's output as it finishes, `index` set to the caller's prompt index."""
+        self._raise_injected("generate_stream")
+        for i, out in self.engine.generate_iter(prompts, params):
+            out.index = indices[i]
+            yield out
+
+    def stage_bucket(
+        self,
+        push_id: str,
+        index: int,
+        entries: tuple[TensorEntry, ...],
+        segments: list[np.ndarray],
+        share: tuple[int, int] = (0, 1),
+        checksums: bool = True,
+    ) -> int:
+        """Receive one bucket of a push as the segments the object store laid
+        side by side, and verify share `part` of `parts` of it (checksums,
+        NaN/inf) while later buckets are still on their way. Actors that
+        share an object store read the same bytes, so the cluster gives each
+        of them one share of every bucket; `checksums=False` where that store
+        is the trainer's own (the bytes crossed no network). Returns the
+        bucket's size."""
+        part, parts = _checked_share(share)
+        with self._lock:
+            if push_id in self._finished:
+                return 0  # a late bucket of a push that was aborted meanwhile: not worth verifying
+        bucket, copied = assemble(segments)
+        self._background.submit(self._receive, bucket, verification_shares(entries, parts)[part], checksums).result()
+        with self._lock:
+            if push_id in self._finished:
+                return bucket.nbytes  # a late bucket of a push that was aborted meanwhile
+            for stale in [k for k in self._incoming if k != push_id]:
+                del self._incoming[stale]  # pushes run one at a time: an older one is over
+            self._incoming.setdefault(push_id, {})[index] = (tuple(entries), bucket)
+            self._buckets_copied += copied
+        return bucket.nbytes
+
+    def _receive(self, bucket: np.ndarray, entries: tuple[TensorEntry, ...], checksums: bool) -> None:
+        check_bucket(bucket, entries, checksums)
+        if self.engine.config.device.type == "cpu":
+            touch_pages(bucket)  # the engine will adopt these bytes: map them now, not in its next step
+
+    def prepare_push(
+        self, push_id: str, manifest: Manifest, verify: tuple[tuple[int, int, int, bool], ...] = ()
+    ) -> int:
+        """Phase one: check the received buckets against the manifest, verify
+        the shares `(bucket, part, parts, checksums)` in `verify` (their
+        verifier died), validate and stage; returns the bytes the commit will
+        install."""
+        with self._lock:
+            incoming = self._incoming.pop(push_id, {})
+            self._finished.append(push_id)
+        self._raise_injected("prepare_push")
+        buckets = []
+        for index, size in enumerate(manifest.bucket_nbytes):
+            entries, bucket = incoming.get(index, ((), None))
+            if bucket is None or bucket.nbytes != size:
+                raise ValueError(f"weight push bucket {index} did not arrive intact")
+            if entries != manifest.bucket_entries(index):
+                raise ValueError(f"weight push bucket {index} does not match the manifest")
+            for _, part, parts, checksums in (v for v in verify if v[0] == index):
+                part, parts = _checked_share((part, parts))
+                self._background.submit(
+                    self._receive, bucket, verification_shares(entries, parts)[part], checksums
+                ).result()
+            buckets.append(bucket)
+        staged = self.engine.prepare_weights(unpack(buckets, manifest), adopt=True, verified_finite=True)
+        with self._lock:
+            self._prepared[push_id] = (staged, tuple(buckets))  # the buckets stay alive until commit
+        return staged.nbytes
+
+    def commit_push(self, push_id: str, version: int, inflight: str) -> int:
+        """Phase two: install a prepared push as `version`."""
+        with self._lock:
+            staged, _ = self._prepared.pop(push_id)
+        return self.engine.commit_weights(staged, version, inflight)
+
+    def abort_push(self, push_id: str) -> None:
+        with self._lock:
+            self._finished.append(push_id)
+            self._incoming.pop(push_id, None)
+            entry = self._prepared.pop(push_id, None)
+        if entry is not None:
+            self.engine.discard_weights(entry[0])
+
+    def health(self) -> dict:
+        stats = self.engine.stats()
+        return {
+            "pid": os.getpid(),
+            "version": self.engine.policy_version,
+            "running": len(self.engine.scheduler.running),
+            "waiting": len(self.engine.scheduler.waiting),
+            "kv_pages_used": stats["kv_pages_used"],
+            "kv_pages_total": stats["kv_pages_total"],
+            "buckets_copied": self._buckets_copied,
+            "rss_bytes": resident_bytes(),
+            "rss_private_bytes": resident_bytes("RssAnon"),
+            "rss_shared_bytes": resident_bytes("RssFile") + resident_bytes("RssShmem"),
+        }
+
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def step_log(self, since: float | None = None) -> list:
+        return self.engine.step_log(since)
+
+    def inject_fault(self, method: str, message: str) -> None:
+        """Fault injection for tests and drills: the next call of `method`
+        ("prepare_push" or "generate_stream") raises `ValueError(message)`."""
+        if method not in ("prepare_push", "generate_stream"):
+            raise ValueError(f"method must be 'prepare_push' or 'generate_stream', got {method!r}")
+        with self._lock:
+            self._faults[method] = message
+
+    def _raise_injected(self, method: str) -> None:
+        with self._lock:
+            message = self._faults.pop(method, None)
+        if message is not None:
+            raise ValueError(message)

@@ -1,0 +1,11 @@
+"""One device's engine: the `Engine` and the parts its step loop composes
+(scheduler, stepper, sampler, policy version guard, weight updates).
+
+Nothing here imports Ray: the engine runs and is tested in-process, and the
+cluster (`rollout.cluster`) wraps it in actors.
+"""
+
+from .engine import INFLIGHT_MODES, ClosedError, Engine, StepInfo, generation_pause
+from .version_guard import PolicyVersionGuard
+
+__all__ = ["INFLIGHT_MODES", "ClosedError", "Engine", "PolicyVersionGuard", "StepInfo", "generation_pause"]

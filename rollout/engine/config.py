@@ -1,0 +1,171 @@
+"""`EngineConfig`: the engine's resolved sizes, device and dtype, validated."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from workspace import KVPool
+
+from ..kernels.build import KernelUnavailable, cpu_ops
+from ..model.config import ModelConfig
+from .decode_graphs import MODES, resolve_mode
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KERNELS = ("auto", "compiled", "torch")
+# Share of free memory the default KV pool may take.
+_KV_SHARE_CUDA = 0.8
+_KV_SHARE_CPU = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    device: torch.device
+    dtype: torch.dtype
+    max_batch_size: int  # sequences decoding at once
+    max_seq_len: int  # prompt plus output tokens of one sequence
+    page_size: int  # tokens per KV page
+    num_pages: int  # pages in the KV pool
+    max_step_tokens: int  # tokens computed per step (prefill chunk budget)
+    seed: int  # seeds the per-request seeds of unseeded requests
+    decode_graphs: str  # "off", "eager" or "cuda" (see rollout.decode_graphs)
+    kernels: str  # "compiled" (rollout.kernels) or "torch" (torch ops: gathered pages + SDPA)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @classmethod
+    def resolve(
+        cls,
+        mc: ModelConfig,
+        *,
+        device,
+        dtype,
+        max_batch_size,
+        max_seq_len,
+        kv_cache_tokens,
+        seed,
+        page_size,
+        max_step_tokens,
+        decode_graphs="off",
+        kernels="auto",
+    ) -> EngineConfig:
+        dev = _device(device)
+        graphs = resolve_mode(decode_graphs, dev) if isinstance(decode_graphs, str) else None
+        if graphs is None:
+            raise TypeError(f"decode_graphs must be a str, one of {MODES}, got {type(decode_graphs).__name__}")
+        dt = _dtype(dtype)
+        _int("max_batch_size", max_batch_size, 1)
+        _int("page_size", page_size, 1)
+        _int("seed", seed, 0)
+        if max_seq_len is None:
+            max_seq_len = mc.max_position_embeddings
+        _int("max_seq_len", max_seq_len, 2)
+        if max_seq_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len must be <= the model's max_position_embeddings "
+                f"({mc.max_position_embeddings}), got {max_seq_len}"
+            )
+        if max_step_tokens is None:
+            max_step_tokens = max(2048, max_batch_size)
+        _int("max_step_tokens", max_step_tokens, max_batch_size, "(at least max_batch_size)")
+        if kv_cache_tokens is None:
+            kv_cache_tokens = _default_kv_tokens(mc, dev, dt, max_batch_size * max_seq_len)
+        _int("kv_cache_tokens", kv_cache_tokens, page_size, "(at least one page)")
+        kernel_choice = _kernels(kernels, dev)  # last: it may compile the CPU kernels
+        return cls(
+            device=dev,
+            dtype=dt,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            page_size=page_size,
+            num_pages=-(-kv_cache_tokens // page_size),
+            max_step_tokens=max_step_tokens,
+            seed=seed,
+            decode_graphs=graphs,
+            kernels=kernel_choice,
+        )
+
+
+def _kernels(kernels, dev: torch.device) -> str:
+    """ "auto" is "compiled" on the CPU when the kernels build (else "torch", with
+    a warning) and "torch" on CUDA; "compiled" insists on the CPU kernels."""
+    if not isinstance(kernels, str):
+        raise TypeError(f"kernels must be a str, one of {KERNELS}, got {type(kernels).__name__}")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels == "torch" or (kernels == "auto" and dev.type != "cpu"):
+        return "torch"
+    if dev.type != "cpu":
+        raise ValueError(f"kernels='compiled' needs device 'cpu', got {dev}")
+    try:
+        cpu_ops()
+    except KernelUnavailable as exc:
+        if kernels == "compiled":
+            raise
+        warnings.warn(f"{exc}; the engine falls back to kernels='torch'", RuntimeWarning, stacklevel=4)
+        return "torch"
+    return "compiled"
+
+
+def _int(name: str, value, low: int, extra: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {low} {extra}".rstrip() + f", got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low} {extra}".rstrip() + f", got {value}")
+
+
+def _device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device ('cpu', 'cuda', 'cuda:1'), got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
+def _dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype}")
+        return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str or torch.dtype, got {type(dtype).__name__}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _default_kv_tokens(mc: ModelConfig, device: torch.device, dtype: torch.dtype, wanted: int) -> int:
+    per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * _KV_SHARE_CUDA)
+    else:
+        budget = int(_available_host_memory() * _KV_SHARE_CPU)
+    return max(1, min(wanted, budget // per_token))
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,393 @@
+"""`Engine`: one device's rollout engine. The glue between the scheduler, the
+stepper, the workspace and the policy version guard; no Ray here."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workspace import DecodeCache, InferenceWorkspace, KVPool, PageAllocator, WorkspaceShape
+
+from ..kernels.build import cpu_ops
+from ..model.config import ModelConfig
+from ..model.decoder import Model
+from ..model.loader import load_checkpoint
+from ..outputs import RolloutOutput
+from ..sampling_params import SamplingParams
+from ..tokenizer import TextCodec, find_stop
+from .config import EngineConfig
+from .decode_graphs import graph_stats
+from .kv_manager import KVManager
+from .requests import make_requests
+from .scheduler import Scheduler
+from .sequence import Request, Sequence
+from .stepper import Stepper
+from .version_guard import PolicyVersionGuard
+from .weight_update import StagedUpdate, WeightUpdater
+
+INFLIGHT_MODES = ("recompute", "keep", "drain", "restart")
+_STEP_LOG_SIZE = 8192
+
+
+def check_inflight(inflight: str) -> None:
+    """Raise `ValueError` unless `inflight` is one of INFLIGHT_MODES."""
+    if inflight not in INFLIGHT_MODES:
+        raise ValueError(f"inflight must be one of {INFLIGHT_MODES}, got {inflight!r}")
+
+
+class ClosedError(ValueError, RuntimeError):
+    """A call on an engine or cluster that was closed or shut down. A
+    ValueError (as for I/O on a closed file) and a RuntimeError, so either
+    kind of handler catches it."""
+
+
+@dataclass(slots=True)
+class StepInfo:
+    """Passed to `step_callback` after every step, outside the guard, and kept
+    in a bounded log (`Engine.step_log`)."""
+
+    end_time: float  # time.time() when the step finished (comparable across processes)
+    seconds: float  # wall time of the step under the guard
+    version: int  # policy version the step ran under
+    num_tokens: int  # tokens computed
+    num_sampled: int  # tokens sampled
+    num_running: int  # sequences holding KV after the step
+    num_waiting: int  # sequences queued for (re)admission
+    kv_pages_used: int
+
+
+def generation_pause(logs: list[list[StepInfo]], start: float, end: float) -> float:
+    """The longest gap between consecutive steps of any engine that overlaps
+    `[start, end]` (seconds); 0 when no engine was generating then."""
+    longest = 0.0
+    for log in logs:
+        ends = [info.end_time for info in log]
+        for a, b in zip(ends, ends[1:], strict=False):
+            if a < end and b > start:
+                longest = max(longest, b - a)
+    return longest
+
+
+class Engine:
+    """Samples `n` responses per prompt with per-token logprobs and policy versions.
+
+    Args mirror DESIGN section 3: `model_path` is a Hugging Face checkpoint
+    directory (config.json + safetensors, tokenizer optional). Bad arguments
+    raise `ValueError`/`TypeError` naming the field before anything is built.
+    Extra keywords: `page_size` (KV tokens per page), `max_step_tokens`
+    (tokens computed per step), `debug_decode_cache` (check the fast decode
+    path against the host path every step), `decode_graphs` ("off"; "cuda":
+    decode steps replayed from CUDA graphs; "eager": the same padded steps
+    without capture, see `rollout.decode_graphs`), `kernels` ("auto": on
+    the CPU the compiled kernels of `rollout.kernels` when they build,
+    else "torch"; "compiled": those kernels or an error; "torch": torch ops
+    only, decode attention over gathered pages with SDPA), `step_callback`.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype = "float32",
+        max_batch_size: int = 256,
+        max_seq_len: int | None = None,
+        kv_cache_tokens: int | None = None,
+        seed: int = 0,
+        *,
+        page_size: int = 16,
+        max_step_tokens: int | None = None,
+        debug_decode_cache: bool = False,
+        decode_graphs: str = "off",
+        kernels: str = "auto",
+        step_callback: Callable[[StepInfo], None] | None = None,
+    ) -> None:
+        self.model_config = ModelConfig.from_dir(model_path)
+        cfg = EngineConfig.resolve(
+            self.model_config,
+            device=device,
+            dtype=dtype,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            kv_cache_tokens=kv_cache_tokens,
+            seed=seed,
+            page_size=page_size,
+            max_step_tokens=max_step_tokens,
+            decode_graphs=decode_graphs,
+            kernels=kernels,
+        )
+        self.config = cfg
+        self.codec = TextCodec.from_dir(model_path, self.model_config.eos_token_ids)
+        self._cpu_ops = cpu_ops() if cfg.kernels == "compiled" else None  # built (or loaded) by the config check
+        self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len, cpu_ops=self._cpu_ops)
+        load_checkpoint(self.model, model_path)
+        self.model.pack_weights()
+        self._build_runtime(debug_decode_cache)
+        self._guard = PolicyVersionGuard(0)
+        self._updater = WeightUpdater(self.model)
+        self._update_lock = threading.RLock()  # one update prepares or commits at a time
+        self._rng = random.Random(cfg.seed)
+        self._request_ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self._stepping = threading.local()
+        self._step_callback = step_callback
+        self._step_log: deque[StepInfo] = deque(maxlen=_STEP_LOG_SIZE)
+        self._closed = False
+
+    def _build_runtime(self, debug_decode_cache: bool) -> None:
+        cfg, mc = self.config, self.model_config
+        self.kv_pool = KVPool(
+            num_layers=mc.num_layers,
+            num_pages=cfg.num_pages + 1,  # the last page is scratch for padded decode rows
+            page_size=cfg.page_size,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=cfg.dtype,
+            device=cfg.device,
+        )
+        shape = WorkspaceShape(cfg.max_step_tokens, cfg.max_batch_size, -(-cfg.max_seq_len // cfg.page_size))
+        self.workspace = InferenceWorkspace(shape, cfg.device)
+        self.decode_cache = DecodeCache(self.workspace, debug=debug_decode_cache)
+        self.stepper = Stepper(
+            self.model,
+            self.kv_pool,
+            self.workspace,
+            self.decode_cache,
+            cfg.decode_graphs,
+            scratch_page=cfg.num_pages,
+            decode_kernel=self._cpu_ops.paged_decode if self._cpu_ops is not None else None,
+            sample_kernel=self._cpu_ops.sample_rows if self._cpu_ops is not None else None,
+        )
+        self.scheduler = Scheduler(
+            KVManager(PageAllocator(cfg.num_pages, cfg.page_size)),
+            max_batch_size=cfg.max_batch_size,
+            max_step_tokens=cfg.max_step_tokens,
+            is_stop_text=self._stop_text if self.codec is not None else None,
+        )
+
+    # -- public API ----------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self._guard.version
+
+    @property
+    def tokenizer(self) -> TextCodec | None:
+        return self.codec
+
+    def generate(self, prompts, params: SamplingParams | None = None) -> list[RolloutOutput]:
+        """Sample `params.n` responses for each prompt; one `RolloutOutput` per
+        prompt, in prompt order. Prompts are all strings (needs a tokenizer)
+        or all lists of token ids. Safe to call from several threads at once:
+        their sequences share batches."""
+        outputs: list[RolloutOutput | None] = [None] * len(prompts) if isinstance(prompts, (list, tuple)) else []
+        for index, output in self.generate_iter(prompts, params):
+            outputs[index] = output
+        return outputs
+
+    def generate_iter(self, prompts, params: SamplingParams | None = None) -> Iterator[tuple[int, RolloutOutput]]:
+        """Like `generate`, but yields `(prompt index, output)` as each prompt's
+        samples finish, in completion order. Arguments are validated before
+        this returns; closing the iterator early aborts the unfinished prompts."""
+        self._check_open()
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        requests = make_requests(
+            prompts,
+            params,
+            self.config,
+            self.model_config,
+            self.codec,
+            rng=self._rng,
+            request_ids=self._request_ids,
+            seq_ids=self._seq_ids,
+        )
+        with self._guard.held():
+            for r in requests:
+                self.scheduler.add(r)
+        return self._drive(dict(enumerate(requests)))
+
+    def update_weights(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int | None = None,
+        inflight: str = "recompute",
+    ) -> int:
+        """Install new policy weights and return the new policy version.
+
+        `state_dict` uses the checkpoint's own names; a subset updates only
+        those tensors. Everything is validated (names, shapes, dtypes,
+        finiteness, version order) and staged before the guard is taken; a
+        rejected update leaves weights and version exactly as they were.
+        `inflight` says what happens to sequences mid-generation (see
+        DESIGN section 3). May be called from another thread while
+        `generate` runs.
+        """
+        check_inflight(inflight)
+        self._guard.check_next(version)
+        with self._update_lock:
+            return self.commit_weights(self.prepare_weights(state_dict), version, inflight)
+
+    def prepare_weights(
+        self, state_dict: Mapping[str, torch.Tensor], adopt: bool = False, verified_finite: bool = False
+    ) -> StagedUpdate:
+        """Phase one of an update: validate and stage, changing nothing live.
+
+        Raises `TypeError`/`ValueError` naming the first bad entry. With
+        `adopt=True` the caller promises the tensors never change while
+        the engine uses them: they are committed straight from the source,
+        and a host engine adopts them as its weights (no copy) until a later
+        update replaces them. `verified_finite=True`: the caller has checked
+        for NaN/inf already.
+        """
+        self._check_open()
+        with self._update_lock:
+            items = self._updater.validate(state_dict, check_finite=not verified_finite)
+            return self._updater.stage(items, adopt=adopt)
+
+    def discard_weights(self, staged: StagedUpdate) -> None:
+        """Drop a prepared update that will not be committed."""
+        with self._update_lock:
+            self._updater.release(staged)
+
+    def commit_weights(self, staged: StagedUpdate, version: int | None = None, inflight: str = "recompute") -> int:
+        """Phase two: install `staged` between two steps under the guard; returns the version."""
+        self._check_open()
+        check_inflight(inflight)
+        self._guard.check_next(version)
+        if inflight == "drain" and getattr(self._stepping, "active", False):
+            raise RuntimeError("update_weights(inflight='drain') from inside generate would wait on itself")
+        try:
+            return self._commit(staged, version, inflight)
+        finally:
+            with self._update_lock:
+                self._updater.release(staged)
+
+    def _commit(self, staged: StagedUpdate, version: int | None, inflight: str) -> int:
+
+        def apply(_: int) -> None:
+            self._updater.commit(staged)
+            self.scheduler.on_weights_committed(inflight)
+            self.decode_cache.invalidate()
+
+        with self._update_lock:
+            if inflight != "drain":
+                return self._guard.commit(version, apply)
+            with self._guard.held():
+                self.scheduler.draining = True
+                try:
+                    self._guard.wait_for(lambda: not self.scheduler.has_inflight, None)
+                    return self._guard.commit(version, apply)
+                finally:
+                    self.scheduler.draining = False
+                    self._guard.notify()
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters for monitoring: tokens computed, prefix hits, preemptions, KV use."""
+        st = self.scheduler.stats
+        alloc = self.scheduler.kv.allocator
+        return {
+            "policy_version": self.policy_version,
+            "computed_tokens": st.computed_tokens,
+            "prompt_tokens": st.prompt_tokens,
+            "prefix_hit_tokens": st.prefix_hit_tokens,
+            "preemptions": st.preemptions,
+            "kv_pages_total": alloc.num_pages,
+            "kv_pages_used": alloc.num_used,
+            "decode_cache_hits": self.decode_cache.hits,
+            "decode_cache_misses": self.decode_cache.misses,
+            **graph_stats(self.stepper.graphs),
+            "packed_weights": self.model.packed.num_current if self.model.packed is not None else 0,
+        }
+
+    def step_log(self, since: float | None = None) -> list[StepInfo]:
+        """The most recent steps (up to 8192), oldest first: when each ended, its
+        duration, version and sizes; only those ending after `since` (a
+        `time.time()` value) when given. Gaps between steps show generation pauses."""
+        with self._guard.held():
+            log = list(self._step_log)
+        return log if since is None else [info for info in log if info.end_time > since]
+
+    def close(self) -> None:
+        """Release the KV pool and workspace; later calls raise."""
+        with self._guard.held():
+            self._closed = True
+            del self.kv_pool, self.workspace, self.stepper
+
+    # -- internals -----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("engine is closed; make a new Engine")
+
+    def _drive(self, pending: dict[int, Request]) -> Iterator[tuple[int, RolloutOutput]]:
+        decode = self.codec.decode if self.codec is not None else None
+        self._stepping.active = True
+        try:
+            while pending:
+                info = self._one_step(pending.values())
+                for index in [i for i, r in pending.items() if r.is_finished]:
+                    yield index, pending.pop(index).to_output(decode, index)
+                if info is not None and self._step_callback is not None and info.num_tokens:
+                    self._step_callback(info)
+        finally:
+            self._stepping.active = False
+            if pending:  # an error, or the caller stopped iterating
+                with self._guard.held():
+                    self.scheduler.abort(list(pending.values()))
+                    self._guard.notify()  # a pending drain may be waiting on these
+
+    def _one_step(self, requests) -> StepInfo | None:
+        with self._guard.step() as version:
+            if all(r.is_finished for r in requests):
+                return None  # finished by another caller's steps
+            start = time.perf_counter()
+            plan = self.scheduler.schedule(version)
+            if plan.chunks:
+                try:
+                    result = self.stepper.step(plan)
+                except BaseException:
+                    self.scheduler.recover()
+                    self.stepper.invalidate()
+                    raise
+                self.scheduler.update(plan, result)
+            elif not self.scheduler.blocked_by_drain():
+                raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
+            info = StepInfo(
+                end_time=time.time(),
+                seconds=time.perf_counter() - start,
+                version=version,
+                num_tokens=plan.num_tokens,
+                num_sampled=len(plan.samplers),
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_pages_used=self.scheduler.kv.allocator.num_used,
+            )
+            if plan.chunks:
+                self._step_log.append(info)
+        if not plan.chunks:
+            # A drain is pending and only new requests remain: wait for its commit.
+            self._guard.wait_for(lambda: not self.scheduler.blocked_by_drain(), timeout=1.0)
+        return info
+
+    def _stop_text(self, seq: Sequence) -> int | None:
+        """Where a stop string starts in the output text, or None.
+
+        A stop string must end in the newest token's text, so only a tail
+        window is decoded each step (4 tokens per character covers byte-level
+        tokenizers, plus slack for the window's first token); a hit is
+        confirmed, and its position found, on the whole text once.
+        """
+        stops = seq.request.params.stop
+        out = seq.output_token_ids
+        window = 4 * max(len(s) for s in stops) + 8
+        if len(out) > window and find_stop(self.codec.decode(out[-window:]), stops) is None:
+            return None
+        return find_stop(self.codec.decode(out), stops)

@@ -1,0 +1,135 @@
+"""Turning user prompts and sampling parameters into validated `Request`s.
+
+Everything is checked before any request exists, so a bad prompt changes
+nothing in the engine.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ..model.config import ModelConfig
+from ..sampling_params import MAX_SEED, SamplingParams
+from ..tokenizer import TextCodec
+from .config import EngineConfig
+from .sequence import Request, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimits:
+    """What prompt validation needs to know about an engine (sent by actors to the driver)."""
+
+    vocab_size: int
+    max_seq_len: int
+    max_batch_size: int
+    page_size: int
+    num_pages: int
+
+    @classmethod
+    def of(cls, cfg: EngineConfig, mc: ModelConfig) -> PromptLimits:
+        return cls(mc.vocab_size, cfg.max_seq_len, cfg.max_batch_size, cfg.page_size, cfg.num_pages)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+
+def validate_prompts(
+    prompts, params: SamplingParams, limits: PromptLimits, codec: TextCodec | None
+) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids and texts of valid prompts; raises `TypeError`/`ValueError` naming the problem."""
+    token_lists, texts = _tokenize(prompts, codec, limits.vocab_size)
+    _check_params(params, limits, codec)
+    for i, ids in enumerate(token_lists):
+        _check_fits(i, ids, params, limits)
+    return token_lists, texts
+
+
+def make_requests(
+    prompts,
+    params: SamplingParams,
+    cfg: EngineConfig,
+    mc: ModelConfig,
+    codec: TextCodec | None,
+    *,
+    rng: random.Random,
+    request_ids: Iterator[int],
+    seq_ids: Iterator[int],
+    make_seq: Callable[..., Sequence] = Sequence,
+) -> list[Request]:
+    """Validate and build the requests of one generate call; raises before creating any."""
+    token_lists, texts = validate_prompts(prompts, params, PromptLimits.of(cfg, mc), codec)
+    stop_ids = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        stop_ids.update(codec.eos_token_ids if codec is not None else mc.eos_token_ids)
+    requests = []
+    for ids, text in zip(token_lists, texts, strict=True):
+        seed = params.seed if params.seed is not None else rng.randint(0, MAX_SEED)
+        request = Request(
+            request_id=next(request_ids),
+            prompt_token_ids=ids,
+            params=params,
+            seed=seed,
+            max_tokens=min(params.max_tokens, cfg.max_seq_len - len(ids)),
+            stop_token_ids=frozenset(stop_ids),
+            prompt=text,
+        )
+        request.samples = [make_seq(next(seq_ids), request, k, list(ids)) for k in range(params.n)]
+        requests.append(request)
+    return requests
+
+
+def _tokenize(prompts, codec: TextCodec | None, vocab: int) -> tuple[list[list[int]], list[str | None]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of strings or a list of token-id lists, got {type(prompts).__name__}")
+    if not prompts:
+        return [], []
+    if all(isinstance(p, str) for p in prompts):
+        if codec is None:
+            raise ValueError("prompts are strings but the checkpoint has no tokenizer.json; pass token-id lists")
+        token_lists = [codec.encode(p) for p in prompts]
+        texts: list[str | None] = list(prompts)
+    elif all(isinstance(p, (list, tuple)) for p in prompts):
+        token_lists = [list(p) for p in prompts]
+        texts = [None] * len(prompts)
+    else:
+        kinds = sorted({type(p).__name__ for p in prompts})
+        raise TypeError(f"prompts must be all strings or all token-id lists, got a mix of {kinds}")
+    for i, ids in enumerate(token_lists):
+        if not ids:
+            raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"prompts[{i}] must hold int token ids, got {t!r} ({type(t).__name__})")
+            if not 0 <= t < vocab:
+                raise ValueError(f"prompts[{i}] has token id {t}, outside the vocabulary [0, {vocab})")
+    return token_lists, texts
+
+
+def _check_params(params: SamplingParams, limits: PromptLimits, codec: TextCodec | None) -> None:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if params.n > limits.max_batch_size:
+        raise ValueError(f"n must be <= the engine's max_batch_size ({limits.max_batch_size}), got {params.n}")
+    for t in params.stop_token_ids or ():
+        if t >= limits.vocab_size:
+            raise ValueError(f"stop_token_ids has {t}, outside the vocabulary [0, {limits.vocab_size})")
+    if params.stop and codec is None:
+        raise ValueError("stop strings need a tokenizer, and the checkpoint has no tokenizer.json")
+
+
+def _check_fits(i: int, ids: list[int], params: SamplingParams, cfg: PromptLimits) -> None:
+    if len(ids) >= cfg.max_seq_len:
+        raise ValueError(
+            f"prompts[{i}] has {len(ids)} tokens; max_seq_len is {cfg.max_seq_len}, so a prompt may have "
+            f"at most {cfg.max_seq_len - 1} tokens (one must be generated)"
+        )
+    longest = min(len(ids) + params.max_tokens, cfg.max_seq_len)
+    pages = -(-longest // cfg.page_size)
+    if pages > cfg.num_pages:
+        raise ValueError(
+            f"prompts[{i}] with max_tokens={params.max_tokens} needs up to {longest} KV tokens, but "
+            f"kv_cache_tokens is {cfg.kv_cache_tokens}; raise kv_cache_tokens or lower max_tokens"
+        )

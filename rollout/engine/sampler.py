@@ -1,0 +1,164 @@
+"""Batched sampling in tensor ops: temperature, top-k, top-p, min-p,
+per-row counter-based randomness, and the three logprob modes. CPU engines
+with compiled kernels run the same semantics as one op (`sample(kernel=...)`,
+`csrc/sampler.cpp`); this file stays the definition, and the path of CUDA
+engines and of `kernels="torch"`.
+
+Randomness is a pure function of (seed, sample index, output position), so a
+seeded request draws the same numbers alone or inside any batch, and a
+preempted sequence recomputed later draws what it would have drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+MODE_CODES = {"processed": 0, "raw": 1, "scaled": 2}
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # PCG-RXS-M-XS on 32-bit values held in int64 (products stay below 2**63).
+    state = (x * 747796405 + 2891336453) & _M32
+    word = ((state >> ((state >> 28) + 4)) ^ state) * 277803737 & _M32
+    return ((word >> 22) ^ word) & _M32
+
+
+def counter_uniform(seed: torch.Tensor, stream: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in [0, 1), one per row, from int64 `seed`, `stream`, `counter`."""
+    h = _mix32(counter & _M32)
+    h = _mix32(h ^ (stream & _M32))
+    h = _mix32(h ^ (seed & _M32))
+    h = _mix32(h ^ ((seed >> 32) & _M32))
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters (device tensors `[R]`) plus host-known flags."""
+
+    temperature: torch.Tensor  # float32, 0 = greedy
+    top_k: torch.Tensor  # int64, 0 = off
+    top_p: torch.Tensor  # float32, 1 = off
+    min_p: torch.Tensor  # float32, 0 = off
+    seed: torch.Tensor  # int64
+    sample_index: torch.Tensor  # int64: which of the request's n samples (RNG stream)
+    rng_pos: torch.Tensor  # int64: index of the output token being sampled (RNG counter)
+    mode: torch.Tensor  # int64 MODE_CODES
+    any_filter: bool  # some row uses top-k, top-p or min-p
+    any_greedy: bool  # some row has temperature 0
+    all_greedy: bool  # every row has temperature 0
+
+    @classmethod
+    def of(
+        cls,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        mode: torch.Tensor,
+        seed: torch.Tensor | None = None,
+        sample_index: torch.Tensor | None = None,
+        rng_pos: torch.Tensor | None = None,
+    ) -> SamplingBatch:
+        """A batch with the flags derived from the tensors (one host sync each).
+        RNG fields default to zeros: enough for scoring with `logprobs_of`."""
+        zeros = torch.zeros_like(top_k)
+        greedy = temperature == 0
+        return cls(
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            zeros if seed is None else seed,
+            zeros if sample_index is None else sample_index,
+            zeros if rng_pos is None else rng_pos,
+            mode,
+            any_filter=bool(((top_k > 0) | (top_p < 1) | (min_p > 0)).any()),
+            any_greedy=bool(greedy.any()),
+            all_greedy=bool(greedy.all()),
+        )
+
+
+def sample(
+    logits: torch.Tensor,
+    p: SamplingBatch,
+    out_tokens: torch.Tensor,
+    out_logprobs: torch.Tensor,
+    kernel: Callable[..., None] | None = None,
+) -> None:
+    """Sample one token per row of float32 `logits` `[R, V]` into `out_tokens`,
+    its log-probability (per row mode) into `out_logprobs`.
+
+    Filters only mask tokens out; every row then inverts the CDF of its
+    final distribution in vocabulary order, so a row's token depends on its
+    own logits and uniform alone, never on which path its batch took.
+    `kernel` (the compiled `sample_rows` of `rollout.kernels`, for CPU
+    logits) samples the batch in one op, to float32 rounding of this path, at
+    the uniforms of the library's `counter_uniform` (this file's, bit for bit).
+    """
+    if kernel is not None:
+        u = torch.empty_like(p.temperature)
+        torch.ops.rollout.counter_uniform(p.seed, p.sample_index, p.rng_pos, u)  # loaded with the kernel
+        kernel(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.mode, u, out_tokens, out_logprobs)
+        return
+    if p.all_greedy:
+        tokens = logits.argmax(dim=-1)
+        out_tokens.copy_(tokens)
+        out_logprobs.copy_(logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1))
+        return
+    scaled, final = _distributions(logits, p)
+    u = counter_uniform(p.seed, p.sample_index, p.rng_pos)
+    tokens = _inverse_cdf(torch.softmax(final, dim=-1), u)
+    if p.any_greedy:
+        tokens = torch.where(p.temperature == 0, logits.argmax(dim=-1), tokens)
+    out_tokens.copy_(tokens)
+    out_logprobs.copy_(_logprobs(logits, scaled, final, tokens, p))
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, p: SamplingBatch) -> torch.Tensor:
+    """Log-probabilities `[R]` of given `tokens` under each row's sampling
+    settings and logprobs mode: exactly what `sample` reports for a token it
+    drew. Differentiable in `logits` (a trainer recomputes with it)."""
+    scaled, final = _distributions(logits, p)
+    return _logprobs(logits, scaled, final, tokens, p)
+
+
+def _distributions(logits: torch.Tensor, p: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature-scaled logits and the final (filtered) ones; greedy rows use temperature 1."""
+    temperature = torch.where(p.temperature == 0, torch.ones_like(p.temperature), p.temperature)
+    scaled = logits / temperature[:, None]
+    return scaled, _apply_filters(scaled, p) if p.any_filter else scaled
+
+
+def _logprobs(logits, scaled, final, tokens, p: SamplingBatch) -> torch.Tensor:
+    picked = tokens[:, None]
+    raw = logits.gather(1, picked).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    scaled_lp = scaled.gather(1, picked).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+    processed = final.gather(1, picked).squeeze(1) - torch.logsumexp(final, dim=-1) if p.any_filter else scaled_lp
+    lp = torch.where(p.mode == MODE_CODES["scaled"], scaled_lp, processed)
+    lp = torch.where(p.mode == MODE_CODES["raw"], raw, lp)
+    return torch.where(p.temperature == 0, raw, lp)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    cdf = probs.cumsum(dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
+
+
+def _apply_filters(scaled: torch.Tensor, p: SamplingBatch) -> torch.Tensor:
+    """`scaled` with the tokens dropped by top-k, top-p and min-p set to -inf."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    keep = (p.top_k[:, None] == 0) | (ranks < p.top_k[:, None])
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    keep &= (p.top_p[:, None] >= 1) | (before < p.top_p[:, None])
+    keep &= probs >= p.min_p[:, None] * probs[:, :1]
+    keep[:, 0] = True
+    keep_vocab = torch.empty_like(keep).scatter_(1, order, keep)
+    return scaled.masked_fill(~keep_vocab, float("-inf"))

@@ -1,0 +1,114 @@
+"""A request's state: `Request` (one prompt, n samples) and `Sequence` (one sample).
+
+Progress is counters: `num_computed_tokens` says how much of `token_ids`
+has KV in the sequence's pages; what is left to compute, and whether the
+next step samples, follow from it. Only the scheduler mutates these.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ..outputs import RolloutOutput, Sample
+from ..sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)admission
+    RUNNING = "running"  # holds KV pages, advanced every step
+    FORK_PENDING = "fork_pending"  # waits for its group leader's prompt, then shares its pages
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    seq_id: int  # unique for the engine's life; never reused
+    request: Request
+    sample_index: int  # which of the request's n samples (its RNG stream)
+    token_ids: list[int]  # prompt tokens, then output tokens
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # leading tokens whose KV is in block_table
+    block_table: list[int] = field(default_factory=list)  # page ids, in position order
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full computed pages
+    cacheable: bool = True  # False while its KV mixes policy versions ("keep" updates)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text_end: int | None = None  # text cut where a stop string began
+    admitted_at: int = -1  # admission counter: larger = younger, preempted first
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def append(self, token: int, logprob: float, version: int) -> None:
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+
+    def reset_outputs(self) -> None:
+        del self.token_ids[self.num_prompt_tokens :]
+        self.logprobs.clear()
+        self.versions.clear()
+        self.stop_text_end = None
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One prompt and its n samples."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # resolved: the params' seed, or one drawn from the engine's seed
+    max_tokens: int  # params.max_tokens capped by the context length
+    stop_token_ids: frozenset[int]  # params' stop ids plus eos unless ignore_eos
+    prompt: str | None = None
+    samples: list[Sequence] = field(default_factory=list)
+    pending_forks: list[Sequence] = field(default_factory=list)  # wait on samples[leader]
+    leader: Sequence | None = None  # computes the shared prompt for pending_forks
+    started: bool = False  # some sample was admitted (the request is in flight)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.samples)
+
+    def group(self, members: list[Sequence]) -> None:
+        """Make members[0] the leader that prefills the prompt once; the rest
+        fork from it when the prompt is computed."""
+        self.leader = members[0]
+        self.pending_forks = list(members[1:])
+        for s in self.pending_forks:
+            s.status = SeqStatus.FORK_PENDING
+
+    def to_output(self, decode, index: int | None = None) -> RolloutOutput:
+        samples = []
+        for s in self.samples:
+            text = None
+            if decode is not None:
+                text = decode(s.output_token_ids)
+                if s.stop_text_end is not None:
+                    text = text[: s.stop_text_end]
+            samples.append(Sample(s.output_token_ids, list(s.logprobs), list(s.versions), s.finish_reason, text))
+        return RolloutOutput(list(self.prompt_token_ids), samples, self.prompt, index)

@@ -1,0 +1,213 @@
+"""The Stepper: the one primitive that advances a planned set of sequences by
+one step. It binds KV pages, runs prefill chunks and decodes through the
+model, samples, and returns tokens, logprobs and the policy version. It never
+changes request state: the scheduler does, from the returned result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from workspace import DecodeCache, DecodeRows, InferenceWorkspace, KVPool
+
+from ..model.attention import AttentionMetadata, PrefillSpan
+from ..model.decoder import Model
+from .decode_graphs import DecodeGraphs, GraphKey
+from .plan import ScheduledChunk, StepPlan, StepResult
+from .sampler import MODE_CODES, SamplingBatch, sample
+from .sequence import Sequence
+
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_index", "rng_pos", "mode")
+
+
+class Stepper:
+    """`decode_graphs` ("off", "eager" or "cuda", see `rollout.decode_graphs`)
+    serves pure-decode steps from graphs; padding rows then write to
+    `scratch_page`, a KV page no sequence owns. `decode_kernel` (see
+    `rollout.kernels`) attends decodes in place instead of gathering pages;
+    `sample_kernel` samples a batch in one op."""
+
+    def __init__(
+        self,
+        model: Model,
+        kv: KVPool,
+        workspace: InferenceWorkspace,
+        decode_cache: DecodeCache,
+        decode_graphs: str = "off",
+        scratch_page: int | None = None,
+        decode_kernel: Callable[..., None] | None = None,
+        sample_kernel: Callable[..., None] | None = None,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.ws = workspace
+        self.cache = decode_cache
+        self.page_size = kv.page_size
+        self.decode_kernel = decode_kernel
+        self.sample_kernel = sample_kernel
+        self._flags = (False, False, False)  # any_filter, any_greedy, all_greedy of the cached batch
+        self.graphs = None
+        if decode_graphs != "off":
+            if scratch_page is None:
+                raise ValueError("decode graphs need a scratch KV page for their padding rows")
+            self.graphs = DecodeGraphs(decode_graphs, workspace, self._padded_decode, scratch_page, kv.page_size)
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepResult:
+        if plan.page_copies:
+            src, dst = zip(*plan.page_copies, strict=True)
+            dev = self.kv.k.device
+            self.kv.copy_pages(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        samplers = plan.samplers
+        num_rows = len(samplers)
+        pure_decode = _is_pure_decode(plan.chunks)
+        if pure_decode:
+            signature = (plan.version, tuple(s.seq_id for s in samplers))
+            if not self.cache.prepare(signature, num_rows, lambda: self._decode_rows(plan.chunks)):
+                self._flags = _flags(samplers)
+            num_logits = num_rows
+        else:
+            num_logits = self._upload_general(plan.chunks)
+            self._flags = _flags(samplers)
+        meta = self._attention_metadata(plan.chunks)
+        width = meta.decode_block_tables.shape[1] if pure_decode else 0
+        key = self.graphs.key(num_rows, width, self._flags) if self.graphs and pure_decode else None
+        if key is not None:
+            self.graphs.run(num_rows, key)
+        else:
+            if self.graphs is not None:
+                self.graphs.invalidate()  # this step's uploads may have overwritten the padding rows
+            self._forward(plan.num_tokens, meta, num_logits, num_rows, self._flags)
+        out_tokens = self.ws.view("out_tokens", num_rows)
+        result = StepResult(out_tokens.tolist(), self.ws.view("out_logprobs", num_rows).tolist(), plan.version)
+        if pure_decode:
+            self.cache.remember(signature, num_rows)
+        else:
+            self.cache.invalidate()
+        return result
+
+    def invalidate(self) -> None:
+        """Forget device-side state carried between steps (after a failed step)."""
+        self.cache.invalidate()
+        if self.graphs is not None:
+            self.graphs.invalidate()
+
+    def _forward(self, num_tokens: int, meta: AttentionMetadata, num_logits: int, num_rows: int, flags) -> None:
+        """Model and sampler over the workspace's first rows; tokens and logprobs land in its out buffers."""
+        ws = self.ws
+        ids, positions = ws.view("input_ids", num_tokens), ws.view("positions", num_tokens)
+        logits = self.model(ids, positions, meta, self.kv, ws.view("logit_rows", num_logits))
+        if num_logits != num_rows:
+            logits = logits.index_select(0, ws.view("sample_rows", num_rows))
+        batch = self._sampling_batch(num_rows, flags)
+        sample(logits, batch, ws.view("out_tokens", num_rows), ws.view("out_logprobs", num_rows), self.sample_kernel)
+
+    def _padded_decode(self, key: GraphKey) -> None:
+        """One decode step over the first `key.rows` workspace rows, as captured in a graph."""
+        n = key.rows
+        meta = AttentionMetadata(
+            slot_mapping=self.ws.view("slot_mapping", n),
+            prefills=[],
+            num_prefill_tokens=0,
+            num_decodes=n,
+            decode_block_tables=self.ws.buffer("block_tables")[:n, : key.pages],
+            decode_context_lens=self.ws.view("context_lens", n),
+            decode_kernel=self.decode_kernel,
+        )
+        self._forward(n, meta, n, n, key.flags)
+
+    # -- host-built inputs ---------------------------------------------------------------
+    def _decode_rows(self, chunks: list[ScheduledChunk]) -> DecodeRows:
+        seqs = [c.seq for c in chunks]
+        positions = [c.start for c in chunks]
+        rows = list(range(len(seqs)))
+        return DecodeRows(
+            input_ids=[s.token_ids[-1] for s in seqs],
+            positions=positions,
+            context_lens=[p + 1 for p in positions],
+            rng_pos=[s.num_output_tokens for s in seqs],
+            sampling={**_sampling_values(seqs), "logit_rows": rows, "sample_rows": rows},
+        )
+
+    def _upload_general(self, chunks: list[ScheduledChunk]) -> int:
+        ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        sample_rows: list[int] = []
+        context_lens: list[int] = []
+        for c in chunks:
+            ids.extend(c.seq.token_ids[c.start : c.start + c.length])
+            positions.extend(range(c.start, c.start + c.length))
+            if c.length == 1:
+                context_lens.append(c.start + 1)
+            if c.samplers:
+                logit_rows.append(len(ids) - 1)
+                sample_rows.extend([len(logit_rows) - 1] * len(c.samplers))
+        samplers = [s for c in chunks for s in c.samplers]
+        self.ws.upload("input_ids", ids)
+        self.ws.upload("positions", positions)
+        self.ws.upload("context_lens", context_lens)
+        self.ws.upload("logit_rows", logit_rows)
+        self.ws.upload("sample_rows", sample_rows)
+        self.ws.upload("rng_pos", [s.num_output_tokens for s in samplers])
+        for name, values in _sampling_values(samplers).items():
+            self.ws.upload(name, values)
+        return len(logit_rows)
+
+    def _attention_metadata(self, chunks: list[ScheduledChunk]) -> AttentionMetadata:
+        ps = self.page_size
+        slots: list[int] = []
+        prefills: list[PrefillSpan] = []
+        decode_tables: list[list[int]] = []
+        device = self.ws.device
+        for c in chunks:
+            table = c.seq.block_table
+            if c.length == 1:  # most rows of most steps
+                page, offset = divmod(c.start, ps)
+                slots.append(table[page] * ps + offset)
+                decode_tables.append(table[: page + 1])
+                continue
+            slots.extend(table[p // ps] * ps + p % ps for p in range(c.start, c.start + c.length))
+            block = torch.tensor(table[: -(-(c.start + c.length) // ps)], dtype=torch.int64, device=device)
+            prefills.append(PrefillSpan(len(slots) - c.length, c.length, c.start + c.length, block))
+        num_decodes = len(decode_tables)
+        width = max((len(t) for t in decode_tables), default=0)
+        return AttentionMetadata(
+            slot_mapping=self.ws.upload("slot_mapping", slots),
+            prefills=prefills,
+            num_prefill_tokens=len(slots) - num_decodes,
+            num_decodes=num_decodes,
+            decode_block_tables=self.ws.upload_block_tables(decode_tables, width) if num_decodes else None,
+            decode_context_lens=self.ws.view("context_lens", num_decodes) if num_decodes else None,
+            decode_kernel=self.decode_kernel,
+        )
+
+    def _sampling_batch(self, n: int, flags: tuple[bool, bool, bool]) -> SamplingBatch:
+        any_filter, any_greedy, all_greedy = flags
+        views = {name: self.ws.view(name, n) for name in _SAMPLING}
+        return SamplingBatch(**views, any_filter=any_filter, any_greedy=any_greedy, all_greedy=all_greedy)
+
+
+def _is_pure_decode(chunks: list[ScheduledChunk]) -> bool:
+    return all(c.length == 1 and len(c.samplers) == 1 and c.samplers[0] is c.seq for c in chunks)
+
+
+def _sampling_values(seqs: list[Sequence]) -> dict[str, list]:
+    params = [s.request.params for s in seqs]
+    return {
+        "temperature": [float(p.temperature) for p in params],
+        "top_k": [p.top_k for p in params],
+        "top_p": [float(p.top_p) for p in params],
+        "min_p": [float(p.min_p) for p in params],
+        "seed": [s.request.seed for s in seqs],
+        "sample_index": [s.sample_index for s in seqs],
+        "mode": [MODE_CODES[p.logprobs_mode] for p in params],
+    }
+
+
+def _flags(seqs: list[Sequence]) -> tuple[bool, bool, bool]:
+    params = [s.request.params for s in seqs]
+    greedy = [p.is_greedy for p in params]
+    return any(p.has_filters for p in params), any(greedy), all(greedy)

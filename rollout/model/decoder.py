@@ -1,0 +1,362 @@
+"""The Llama-family decoder (llama, qwen2, qwen3, mistral) on paged KV.
+
+q/k/v and gate/up projections are fused into one matrix each; `weight_slots`
+maps every checkpoint tensor name onto its rows of a fused parameter, which
+the loader and weight updates both use.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workspace import KVPool
+
+from .attention import AttentionMetadata, paged_attention
+from .config import ModelConfig
+from .rope import RotaryTable
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSlot:
+    """Where one checkpoint tensor lives: rows `[start, start + rows)` of `param`."""
+
+    param_name: str  # name of the (possibly fused) live parameter
+    param: torch.Tensor  # the live parameter
+    start: int  # first row along dim 0
+    rows: int  # number of rows along dim 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.param.shape[1:])
+
+    def view(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        """This slot's rows of `tensor` (default: the live parameter)."""
+        target = self.param if tensor is None else tensor
+        return target.narrow(0, self.start, self.rows)
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` through oneDNN's matmul (the op torch's own compiler emits for CPU linears)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+# Steps of at most this many rows project with the compiled `skinny_linear`
+# (`csrc/skinny_linear.cpp`, which takes no more): with one or two rows a
+# projection is a pass over its weight, which that kernel streams 1.2-2.5x
+# faster than oneDNN. Batch-1 latency and the last sequences of a batch run there.
+SKINNY_MAX_ROWS = 2
+
+
+def pick_linear(in_features: int) -> tuple[str, Callable]:
+    """oneDNN's matmul when this torch has it and it computes a linear, else
+    torch's BLAS (`F.linear`, MKL on x86).
+
+    MKL takes its AVX2 code on AMD processors; oneDNN uses AVX-512 there. On
+    the 2-core EPYC this was written on, oneDNN ran the bench-25m projections
+    at 370-440 GFLOP/s against MKL's 150-185. The choice follows the build,
+    not a timing, so every engine of a cluster computes the same logprobs;
+    the check uses its own generator and leaves torch's global one alone.
+    """
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, in_features, generator=g), torch.randn(64, in_features, generator=g)
+    try:
+        works = torch.allclose(onednn_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        works = False
+    return ("onednn", onednn_linear) if works else ("blas", F.linear)
+
+
+class PackedWeights:
+    """oneDNN's blocked copies of the projection weights, kept in step with the live ones.
+
+    oneDNN reorders a plain weight on every call; packed once, the bench-25m
+    projections ran 7-29% faster (alternating runs, one process). A commit
+    marks the copies of the weights it replaced stale (`changed`: no memory
+    is freed under the guard); the forward uses those plain weights and
+    repacks at most `per_step` of them per step (enough to catch up within 32
+    steps), so a push adds no packing to its own latency or to the commit's
+    pause. Packed and plain weights agree to float32 rounding (about 5e-7 in
+    a logprob), not bit for bit. Commits and steps both run under
+    the engine's guard, so a copy is never read while its weight changes.
+    Costs one more copy of the projection weights and the LM head (with
+    Qwen2.5-0.5B's vocabulary the head alone is 544 MB in float32; packed, its
+    GEMM at 64 rows took 119 ms against 134 plain).
+    """
+
+    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+        self._params = params  # name -> live parameter; commits rebind its data
+        self._packed: dict[str, torch.Tensor] = {}  # name -> blocked copy of the parameter's data
+        self._stale: set[str] = set(params)  # copies that no longer match their parameter (or are missing)
+        self.per_step = max(1, -(-len(params) // 32))
+
+    def pack_all(self) -> None:
+        for name in list(self._stale):
+            self._repack(name)
+
+    def changed(self, names=None) -> None:
+        """The weights `names` (all when None) have new values: their copies are stale."""
+        self._stale.update(self._params if names is None else (n for n in names if n in self._params))
+
+    def start_step(self) -> None:
+        """Repack up to `per_step` stale copies, in parameter order, whichever GEMMs the step runs."""
+        if self._stale:
+            for name in [n for n in self._params if n in self._stale][: self.per_step]:
+                self._repack(name)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The packed copy of `name` when current, else the plain weight."""
+        return self._params[name] if name in self._stale else self._packed[name]
+
+    def _repack(self, name: str) -> None:
+        self._packed[name] = torch.ops.mkldnn._reorder_linear_weight(self._params[name].detach(), None)
+        self._stale.discard(name)
+
+    @property
+    def num_current(self) -> int:
+        return len(self._params) - len(self._stale)
+
+
+def _empty(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as the reference: normalise in float32, cast
+    # back, then scale, so low-precision dtypes round identically.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+        self.input_norm = _empty(h, dtype=dtype, device=device)
+        self.qkv = _empty(qkv, h, dtype=dtype, device=device)
+        self.qkv_bias = _empty(qkv, dtype=dtype, device=device) if cfg.attention_bias else None
+        self.q_norm = _empty(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.k_norm = _empty(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.o_proj = _empty(h, cfg.q_size, dtype=dtype, device=device)
+        self.o_bias = _empty(h, dtype=dtype, device=device) if cfg.o_bias else None
+        self.post_norm = _empty(h, dtype=dtype, device=device)
+        self.gate_up = _empty(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
+        self.down = _empty(h, cfg.intermediate_size, dtype=dtype, device=device)
+
+
+class Model(nn.Module):
+    """Decoder weights plus the forward pass of one flattened step.
+
+    With `cpu_ops` (the compiled `rollout.kernels`) and float32 weights,
+    RMSNorm (fused with the residual add), rotary embedding with the KV write,
+    and SiLU-times-up each run as one op, and projections run on oneDNN where
+    torch has it (`pick_linear`, named by `self.gemm`); a pure-decode step
+    then runs all its layers in one op (`decode_layers`), the same kernels
+    without the interpreter between them. Other dtypes keep the torch ops,
+    whose bf16/fp16 rounding steps the reference shares.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int, cpu_ops=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self._ops = cpu_ops if dtype == torch.float32 and torch.device(device).type == "cpu" else None
+        self.gemm, self._linear = "torch", F.linear
+        if self._ops is not None:
+            self.gemm, self._linear = pick_linear(cfg.hidden_size)
+        self.embed = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = _empty(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        )
+        self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions, dtype, device)
+        self.scale = cfg.head_dim**-0.5
+        # (name, parameter) of each layer's projections: qkv, o_proj, gate_up, down; and of the LM head.
+        # Commits rebind the parameters' data, never the parameters.
+        kinds = ("qkv", "o_proj", "gate_up", "down")
+        self._projections = [
+            tuple((f"layers.{i}.{kind}", getattr(layer, kind)) for kind in kinds) for i, layer in enumerate(self.layers)
+        ]
+        self._head = ("embed", self.embed) if self.lm_head is None else ("lm_head", self.lm_head)
+        self.packed = None
+        if self.gemm == "onednn":
+            self.packed = PackedWeights(dict([*(p for layer in self._projections for p in layer), self._head]))
+        # Pure-decode steps run all layers in one op (`decode_layers`) when every
+        # kernel it calls applies; q/k norms (qwen3) keep the Python loop.
+        self._one_op = self._ops is not None and self.gemm == "onednn" and not cfg.qk_norm
+        self._biases = [b for layer in self.layers for b in (layer.qkv_bias, layer.o_bias)]
+        self._norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
+        self._windows = [w or 0 for w in cfg.sliding_windows]
+
+    def pack_weights(self) -> None:
+        """Packs every projection weight and the LM head (after loading); without
+        a working oneDNN reorder, they stay on plain weights, with a warning."""
+        if self.packed is None:
+            return
+        try:
+            self.packed.pack_all()
+        except RuntimeError as exc:
+            message = f"packing weights for oneDNN failed ({exc}); projections use plain weights"
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            self.packed = None
+
+    def weights_changed(self, names=None) -> None:
+        """The parameters `names` (all when None) were given new values; call under the engine's guard."""
+        if self.packed is not None:
+            self.packed.changed(names)
+
+    def _weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The tensor a GEMM multiplies by for the parameter `name` (`weight`): its packed copy when current."""
+        return weight if self.packed is None else self.packed.weight(name)
+
+    def _project(self, x: torch.Tensor, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if self._skinny(x.shape[0]):
+            return self._ops.skinny_linear(x, weight, bias)
+        return self._linear(x, self._weight(name, weight), bias)
+
+    def _skinny(self, rows: int) -> bool:
+        """Whether a step of `rows` rows projects with `skinny_linear` (on the plain weights)."""
+        return self._ops is not None and 0 < rows <= SKINNY_MAX_ROWS  # 0: a step that samples nothing
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVPool,
+        sample_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """float32 logits `[R, vocab]` of the token rows `sample_rows` `[R]`.
+
+        `input_ids`, `positions`: `[T]`, the step's flattened tokens.
+        """
+        h = F.embedding(input_ids, self.embed)
+        eps = self.cfg.rms_norm_eps
+        if self.packed is not None:
+            self.packed.start_step()
+        if self._ops is not None:
+            h = self._fused_layers(h, positions, meta, kv)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, eps), positions, meta, kv)
+                h = h + self._mlp(i, layer, rms_norm(h, layer.post_norm, eps))
+        h = self._norm(h.index_select(0, sample_rows), self.norm)
+        return self._project(h, *self._head).float()
+
+    def _fused_layers(self, h, positions, meta, kv) -> torch.Tensor:
+        """The layers with each residual add folded into the next RMSNorm; `h` is updated in place."""
+        eps, ops = self.cfg.rms_norm_eps, self._ops
+        x = torch.empty_like(h)
+        if self._one_op and not meta.prefills and meta.decode_kernel is not None:
+            return self._decode_layers(h, x, positions, meta, kv)
+        ops.rms_norm(h, self.layers[0].input_norm, eps, x)
+        for i, layer in enumerate(self.layers):
+            ops.add_rms_norm_(h, self._attention(i, layer, x, positions, meta, kv), layer.post_norm, eps, x)
+            mlp = self._mlp(i, layer, x)
+            if i + 1 < len(self.layers):
+                ops.add_rms_norm_(h, mlp, self.layers[i + 1].input_norm, eps, x)
+            else:
+                h += mlp
+        return h
+
+    def _decode_layers(self, h, x, positions, meta, kv) -> torch.Tensor:
+        """`_fused_layers` for a pure-decode step, all in one op (`csrc/decode_layers.cpp`): the same
+        kernels in the same order, without the interpreter between them; `h` is updated in place."""
+        skinny = self._skinny(h.shape[0])
+        weights = [
+            param if skinny else self._weight(name, param) for layer in self._projections for name, param in layer
+        ]
+        cfg, rotary = self.cfg, self.rotary
+        self._ops.decode_layers(
+            *(h, x, weights, self._biases, self._norms, cfg.rms_norm_eps, positions, rotary.cos, rotary.sin),
+            *(kv.k, kv.v, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens),
+            *(self._windows, self.scale, cfg.num_heads, skinny),
+        )
+        return h
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._ops is None:
+            return rms_norm(x, weight, self.cfg.rms_norm_eps)
+        out = torch.empty_like(x)
+        self._ops.rms_norm(x, weight, self.cfg.rms_norm_eps, out)
+        return out
+
+    def _attention(self, i, layer, x, positions, meta, kv) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        qkv_proj, o_proj, _, _ = self._projections[i]
+        qkv = self._project(x, *qkv_proj, layer.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        if self._ops is not None:  # rotates q in place, writes rotated k and v to the pool
+            rotary = self.rotary
+            self._ops.rope_and_cache_(q, k, v, positions, rotary.cos, rotary.sin, kv.k[i], kv.v[i], meta.slot_mapping)
+        else:
+            q, k = self.rotary.apply(q, k, positions)
+            kv.write(i, meta.slot_mapping, k, v)
+        o = paged_attention(q, i, kv, meta, self.scale, cfg.sliding_windows[i])
+        return self._project(o.reshape(t, cfg.q_size), *o_proj, layer.o_bias)
+
+    def _mlp(self, i, layer, x) -> torch.Tensor:
+        _, _, gate_up_proj, down_proj = self._projections[i]
+        gate_up = self._project(x, *gate_up_proj)
+        if self._ops is not None:
+            act = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+            self._ops.silu_mul(gate_up, act)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self._project(act, *down_proj)
+
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        """Checkpoint (Hugging Face) tensor name -> where it lives here.
+
+        With tied embeddings `lm_head.weight` maps onto the embedding too,
+        so a full `state_dict()` of the reference model is accepted.
+        """
+        cfg = self.cfg
+        slots: dict[str, WeightSlot] = {}
+
+        def add(name: str, pname: str, param, start: int = 0, rows: int | None = None) -> None:
+            slots[name] = WeightSlot(pname, param, start, param.shape[0] if rows is None else rows)
+
+        add("model.embed_tokens.weight", "embed", self.embed)
+        add("model.norm.weight", "norm", self.norm)
+        add(
+            "lm_head.weight",
+            "embed" if self.lm_head is None else "lm_head",
+            self.embed if self.lm_head is None else self.lm_head,
+        )
+        qkv_rows = {"q": (0, cfg.q_size), "k": (cfg.q_size, cfg.kv_size), "v": (cfg.q_size + cfg.kv_size, cfg.kv_size)}
+        for i, layer in enumerate(self.layers):
+            p, lp = f"model.layers.{i}.", f"layers.{i}."
+            add(p + "input_layernorm.weight", lp + "input_norm", layer.input_norm)
+            add(p + "post_attention_layernorm.weight", lp + "post_norm", layer.post_norm)
+            add(p + "self_attn.o_proj.weight", lp + "o_proj", layer.o_proj)
+            add(p + "mlp.down_proj.weight", lp + "down", layer.down)
+            if layer.o_bias is not None:
+                add(p + "self_attn.o_proj.bias", lp + "o_bias", layer.o_bias)
+            for proj, (start, rows) in qkv_rows.items():
+                add(p + f"self_attn.{proj}_proj.weight", lp + "qkv", layer.qkv, start, rows)
+                if layer.qkv_bias is not None:
+                    add(p + f"self_attn.{proj}_proj.bias", lp + "qkv_bias", layer.qkv_bias, start, rows)
+            if layer.q_norm is not None:
+                add(p + "self_attn.q_norm.weight", lp + "q_norm", layer.q_norm)
+                add(p + "self_attn.k_norm.weight", lp + "k_norm", layer.k_norm)
+            inter = cfg.intermediate_size
+            add(p + "mlp.gate_proj.weight", lp + "gate_up", layer.gate_up, 0, inter)
+            add(p + "mlp.up_proj.weight", lp + "gate_up", layer.gate_up, inter, inter)
+        return slots

@@ -1,0 +1,52 @@
+"""A short run of the GRPO demo inside the suite (the full run is ./scripts/demo)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from examples.grpo_demo.trainer import DemoConfig, rewards, run
+
+
+def test_demo_smoke_run(ray_session, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        summary = run(DemoConfig(steps=6, actors=2, out=tmp_path / "demo"), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert set(summary) == {
+        "reward_start",
+        "reward_end",
+        "steps",
+        "weight_pushes",
+        "max_staleness_seen",
+        "mean_abs_logprob_mismatch",
+        "seconds",
+    }
+    assert summary["steps"] == 6 and summary["weight_pushes"] == 6
+    assert summary["max_staleness_seen"] <= 1  # generation one step ahead, bounded
+    assert summary["mean_abs_logprob_mismatch"] < 1e-4
+    assert json.loads((tmp_path / "demo" / "summary.json").read_text()) == summary
+    assert (tmp_path / "demo" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((tmp_path / "demo" / "wandb").glob("offline-run-*"))
+    steps = json.loads((tmp_path / "demo" / "steps.json").read_text())
+    assert [s["version"] for s in steps] == [1, 2, 3, 4, 5, 6]
+
+
+def test_reward_is_the_fraction_of_successor_tokens():
+    class Batch:
+        group_index = torch.tensor([0, 1])
+        response_ids = torch.tensor([[8, 8, 3, 8], [3, 3, 3, 3]])  # "5" is id 8, "0" is id 3
+        response_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+
+    assert rewards(["4>", "9>"], Batch()).tolist() == pytest.approx([0.75, 0.75])
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="steps"):
+        DemoConfig(steps=0)
