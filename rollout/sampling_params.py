@@ -5,19 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .checks import check_int, is_int, is_number
+
 LOGPROBS_MODES = ("processed", "raw", "scaled")
 MAX_SEED = 2**63 - 1
 # Below this, logits / temperature can overflow float32 (a subnormal temperature makes every
 # logprob NaN); a caller after near-greedy sampling wants temperature 0.
 MIN_TEMPERATURE = 1e-6
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(slots=True)
@@ -42,29 +36,29 @@ class SamplingParams:
     logprobs_mode: str = "processed"  # "processed" | "raw" | "scaled", see DESIGN section 3
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n, 1)
-        if not _is_real(self.temperature):
+        check_int("n", self.n, 1)
+        if not is_number(self.temperature):
             raise TypeError(f"temperature must be a number >= 0, got {type(self.temperature).__name__}")
         if not (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
             raise ValueError(
                 f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {self.temperature!r}"
             )
-        _check_int("top_k", self.top_k, 0, "(0 = off)")
-        if not _is_real(self.top_p):
+        check_int("top_k", self.top_k, 0, "(0 = off)")
+        if not is_number(self.top_p):
             raise TypeError(f"top_p must be a number in (0, 1], got {type(self.top_p).__name__}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_real(self.min_p):
+        if not is_number(self.min_p):
             raise TypeError(f"min_p must be a number in [0, 1], got {type(self.min_p).__name__}")
         if not (0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check_int("max_tokens", self.max_tokens, 1)
+        check_int("max_tokens", self.max_tokens, 1)
         self.stop_token_ids = _token_list(self.stop_token_ids)
         self.stop = _stop_strings(self.stop)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, f"and <= {MAX_SEED}, or None")
+            check_int("seed", self.seed, 0, f"and <= {MAX_SEED}, or None")
             if self.seed > MAX_SEED:
                 raise ValueError(f"seed must be in [0, {MAX_SEED}] or None, got {self.seed}")
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -79,13 +73,6 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
-def _check_int(name: str, value: object, low: int, extra: str = "") -> None:
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int >= {low} {extra}".rstrip() + f", got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low} {extra}".rstrip() + f", got {value}")
-
-
 def _token_list(ids: object) -> list[int] | None:
     if ids is None:
         return None
@@ -93,7 +80,7 @@ def _token_list(ids: object) -> list[int] | None:
         raise TypeError(f"stop_token_ids must be a list of ints or None, got {type(ids).__name__}")
     out = list(ids)
     for t in out:
-        if not _is_int(t):
+        if not is_int(t):
             raise TypeError(f"stop_token_ids must hold ints, got {t!r} ({type(t).__name__})")
         if t < 0:
             raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t}")

@@ -24,6 +24,7 @@ import torch
 
 import rollout
 from rollout import SamplingParams
+from rollout.checks import check_int
 from trainer_bridge.bridge import TrainerBridge
 from trainer_bridge.grpo import clipped_policy_loss, group_advantages
 from trainer_bridge.logprobs import logprob_mismatch, token_logprobs
@@ -48,9 +49,7 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "actors", "prompts_per_step", "n"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1)
         self.out = Path(self.out)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checks import is_int
 from ..engine.engine import Engine
 from ..engine.requests import PromptLimits
 from ..engine.weight_update import StagedUpdate, all_finite
@@ -88,7 +89,7 @@ def _checked_share(share) -> tuple[int, int]:
     if (
         not isinstance(share, tuple)
         or len(share) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in share)
+        or not all(is_int(v) for v in share)
         or not 0 <= share[0] < share[1]
     ):
         raise ValueError(f"share must be (part, parts) with 0 <= part < parts, got {share!r}")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import check_int, check_positive
 from ..engine.engine import ClosedError
 from ..engine.version_guard import PolicyVersionGuard
 from ..model.config import ModelConfig
@@ -245,10 +246,6 @@ def _check_args(num_actors, gpus, cpus, generate_concurrency, timeout_s, stall_t
     ):
         if value is None and name != "num_actors":
             continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__}")
-        if value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value}")
-    for name, value in (("timeout_s", timeout_s), ("stall_timeout_s", stall_timeout_s)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        check_int(name, value, low)
+    check_positive("timeout_s", timeout_s)
+    check_positive("stall_timeout_s", stall_timeout_s)

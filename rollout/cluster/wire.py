@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..checks import is_int
+
 ALIGN = 64  # byte alignment of every tensor and segment inside a bucket
 SEGMENT_MIN = 2048  # smallest segment: Ray aligns smaller out-of-band buffers to 8 bytes only
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -116,7 +118,7 @@ class BucketPacker:
     """
 
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < ALIGN:
+        if not is_int(bucket_bytes) or bucket_bytes < ALIGN:
             raise ValueError(f"bucket_bytes must be an int >= {ALIGN}, got {bucket_bytes!r}")
         self.bucket_bytes = bucket_bytes
         self._scratch: list[np.ndarray] = []  # per bucket: host memory of its copied tensors

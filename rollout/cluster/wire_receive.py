@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..checks import is_int
 from .wire import WIRE_DTYPES, Manifest, TensorEntry, checksum
 
 
@@ -53,7 +54,7 @@ def verification_shares(entries: Sequence[TensorEntry], parts: int) -> list[tupl
     split is the same on every process, so actors that share an object
     store can each verify one share of a bucket. Names that share bytes
     (a tied `lm_head.weight`) are checked once."""
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+    if not is_int(parts) or parts < 1:
         raise ValueError(f"parts must be an int >= 1, got {parts!r}")
     loads, shares = [0] * parts, [[] for _ in range(parts)]
     for e in sorted(_distinct(entries), key=lambda e: (-e.nbytes, e.offset)):

@@ -10,6 +10,7 @@ import torch
 
 from workspace import KVPool
 
+from ..checks import check_int
 from ..kernels.build import KernelUnavailable, cpu_ops
 from ..model.config import ModelConfig
 from .decode_graphs import MODES, resolve_mode
@@ -59,12 +60,12 @@ class EngineConfig:
         if graphs is None:
             raise TypeError(f"decode_graphs must be a str, one of {MODES}, got {type(decode_graphs).__name__}")
         dt = _dtype(dtype)
-        _int("max_batch_size", max_batch_size, 1)
-        _int("page_size", page_size, 1)
-        _int("seed", seed, 0)
+        check_int("max_batch_size", max_batch_size, 1)
+        check_int("page_size", page_size, 1)
+        check_int("seed", seed, 0)
         if max_seq_len is None:
             max_seq_len = mc.max_position_embeddings
-        _int("max_seq_len", max_seq_len, 2)
+        check_int("max_seq_len", max_seq_len, 2)
         if max_seq_len > mc.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len must be <= the model's max_position_embeddings "
@@ -72,10 +73,10 @@ class EngineConfig:
             )
         if max_step_tokens is None:
             max_step_tokens = max(2048, max_batch_size)
-        _int("max_step_tokens", max_step_tokens, max_batch_size, "(at least max_batch_size)")
+        check_int("max_step_tokens", max_step_tokens, max_batch_size, "(at least max_batch_size)")
         if kv_cache_tokens is None:
             kv_cache_tokens = _default_kv_tokens(mc, dev, dt, max_batch_size * max_seq_len)
-        _int("kv_cache_tokens", kv_cache_tokens, page_size, "(at least one page)")
+        check_int("kv_cache_tokens", kv_cache_tokens, page_size, "(at least one page)")
         kernel_choice = _kernels(kernels, dev)  # last: it may compile the CPU kernels
         return cls(
             device=dev,
@@ -110,13 +111,6 @@ def _kernels(kernels, dev: torch.device) -> str:
         warnings.warn(f"{exc}; the engine falls back to kernels='torch'", RuntimeWarning, stacklevel=4)
         return "torch"
     return "compiled"
-
-
-def _int(name: str, value, low: int, extra: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {low} {extra}".rstrip() + f", got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low} {extra}".rstrip() + f", got {value}")
 
 
 def _device(device) -> torch.device:

@@ -10,6 +10,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ..checks import is_int
 from ..model.config import ModelConfig
 from ..sampling_params import MAX_SEED, SamplingParams
 from ..tokenizer import TextCodec
@@ -101,7 +102,7 @@ def _tokenize(prompts, codec: TextCodec | None, vocab: int) -> tuple[list[list[i
         if not ids:
             raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int):
+            if not is_int(t):
                 raise TypeError(f"prompts[{i}] must hold int token ids, got {t!r} ({type(t).__name__})")
             if not 0 <= t < vocab:
                 raise ValueError(f"prompts[{i}] has token id {t}, outside the vocabulary [0, {vocab})")

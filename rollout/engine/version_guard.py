@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from ..checks import is_int
+
 
 class PolicyVersionGuard:
     def __init__(self, version: int = 0) -> None:
@@ -36,7 +38,7 @@ class PolicyVersionGuard:
         """
         if requested is None:
             return self._version + 1
-        if isinstance(requested, bool) or not isinstance(requested, int):
+        if not is_int(requested):
             raise TypeError(f"version must be an int > {self._version} or None, got {type(requested).__name__}")
         if requested <= self._version:
             raise ValueError(f"version must be > the current policy version {self._version}, got {requested}")

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checks import is_int
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -111,7 +113,7 @@ class ModelConfig:
 
 def _pos_int(raw: dict[str, Any], key: str, default: int | None = None) -> int:
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"config.json {key} must be a positive integer, got {value!r}")
     return value
 
@@ -153,7 +155,7 @@ def _sliding_windows(raw: dict[str, Any], model_type: str, layers: int) -> tuple
         window = None
     if window is None:
         return (None,) * layers
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if not is_int(window) or window < 1:
         raise ValueError(f"config.json sliding_window must be a positive integer or null, got {window!r}")
     types = raw.get("layer_types")
     if types is None:
@@ -172,6 +174,6 @@ def _eos_ids(raw: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
     for source in (raw, gen):
         value = source.get("eos_token_id")
         for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, int) and not isinstance(v, bool) and v not in ids:
+            if is_int(v) and v not in ids:
                 ids.append(v)
     return tuple(ids)
