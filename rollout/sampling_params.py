@@ -33,7 +33,7 @@ class SamplingParams:
     stop: list[str] | str | None = None  # stop strings (need a tokenizer)
     ignore_eos: bool = False
     seed: int | None = None  # per-request seed: same tokens whatever else is batched
-    logprobs_mode: str = "processed"  # "processed" | "raw" | "scaled", see DESIGN section 3
+    logprobs_mode: str = "processed"  # "processed" | "raw" | "scaled" (see `LOGPROBS_MODES`)
 
     def __post_init__(self) -> None:
         check_int("n", self.n, 1)

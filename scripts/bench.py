@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Throughput of the engine against transformers `generate()` on the
-`bench-25m` workload (DESIGN section 5), in one process and one run, plus
+`bench-25m` workload (docs/benchmarks.md), in one process and one run, plus
 the compute floor, a batch-1 latency row and a long-prompt prefill row.
 On the CPU the engine also runs with `kernels="torch"` (torch ops only:
 pages gathered for SDPA, unfused norms, rotary and SiLU, the torch-op

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Weight-sync benchmark (DESIGN section 5): push the float32 state dict of a
+"""Weight-sync benchmark (docs/benchmarks.md): push the float32 state dict of a
 Qwen2-shaped model (vocab 32000, hidden 1024, intermediate 2816, 8 layers,
 16 heads, 8 KV heads, tied) to 2 rollout actors, against two in-memory copies
 of the same bytes timed in the same run, and the naive `ray.put` of the dict.

@@ -1,5 +1,5 @@
 """Independent float64 reference of the processed sampling distribution
-(DESIGN section 3): temperature, then top-k, top-p, min-p, renormalising
+(docs/design.md): temperature, then top-k, top-p, min-p, renormalising
 after each."""
 
 from __future__ import annotations

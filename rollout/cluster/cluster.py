@@ -30,7 +30,7 @@ from .wire import DEFAULT_BUCKET_BYTES, BucketPacker
 
 
 class RolloutCluster(GenerationDispatch, WeightPushes):
-    """`num_actors` rollout actors, each owning one `Engine` (see DESIGN section 2).
+    """`num_actors` rollout actors, each owning one `Engine` (see docs/design.md).
 
     Bad arguments raise `ValueError`/`TypeError` before any actor starts.
     `timeout_s` bounds every control call (start, pushes, health);

@@ -79,7 +79,7 @@ def generation_pause(logs: list[list[StepInfo]], start: float, end: float) -> fl
 class Engine:
     """Samples `n` responses per prompt with per-token logprobs and policy versions.
 
-    Args mirror DESIGN section 3: `model_path` is a Hugging Face checkpoint
+    Arguments (see docs/design.md): `model_path` is a Hugging Face checkpoint
     directory (config.json + safetensors, tokenizer optional). Bad arguments
     raise `ValueError`/`TypeError` naming the field before anything is built.
     Extra keywords: `page_size` (KV tokens per page), `max_step_tokens`
@@ -228,7 +228,7 @@ class Engine:
         finiteness, version order) and staged before the guard is taken; a
         rejected update leaves weights and version exactly as they were.
         `inflight` says what happens to sequences mid-generation (see
-        DESIGN section 3). May be called from another thread while
+        docs/design.md). May be called from another thread while
         `generate` runs.
         """
         check_inflight(inflight)
