@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from .engine.engine import Engine
 from .sampling_params import LOGPROBS_MODES, SamplingParams
 
@@ -58,25 +60,8 @@ def output_record(out) -> dict:
     }
 
 
-class ProgressBar:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int, enabled: bool = True, width: int = 30) -> None:
-        self.total, self.done, self.width, self.enabled = total, 0, width, enabled
-        self.start = time.perf_counter()
-
-    def update(self, tokens: int) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        filled = int(self.width * self.done / max(self.total, 1))
-        rate = tokens / max(time.perf_counter() - self.start, 1e-9)
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} prompts, {rate:.0f} tokens/s"
-        )
-        if self.done == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+# Prompts done of all, and generated tokens per second (the bar counts prompts).
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} prompts [{elapsed}<{remaining}{postfix}]"
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -107,12 +92,15 @@ def generate(args: argparse.Namespace) -> int:
     # Text lines are tokenized here so one file may mix text and token-id prompts.
     token_lists = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
     results: list = [None] * len(prompts)
-    bar, tokens = ProgressBar(len(prompts), enabled=not args.quiet), 0
-    for index, out in engine.generate_iter(token_lists, params):
-        out.prompt = texts[index]
-        results[index] = out
-        tokens += sum(len(s.token_ids) for s in out.samples)
-        bar.update(tokens)
+    bar = tqdm(total=len(prompts), disable=args.quiet, bar_format=BAR_FORMAT, postfix="0 tokens/s")
+    tokens, start = 0, time.perf_counter()
+    with bar:
+        for index, out in engine.generate_iter(token_lists, params):
+            out.prompt = texts[index]
+            results[index] = out
+            tokens += sum(len(s.token_ids) for s in out.samples)
+            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} tokens/s", refresh=False)
+            bar.update()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w") as f:
         for out in results:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Why a sample ended; the scheduler finishes a sequence with no other reason.
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -14,7 +15,7 @@ class Sample:
     token_ids: list[int]  # generated tokens (a stop token that ended the sample included)
     logprobs: list[float]  # log-probability of each token, per the request's logprobs_mode
     versions: list[int]  # policy version whose weights produced each token
-    finish_reason: str  # "stop" (stop token or string), "length" (max_tokens or context), "abort"
+    finish_reason: str  # FINISH_REASONS: "stop" (stop token or string), "length" (max_tokens or context), "abort"
     text: str | None = None  # decoded response when a tokenizer is present (stop string cut off)
 
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Throughput of the engine against transformers `generate()` on the
 `bench-25m` workload (docs/benchmarks.md), in one process and one run, plus
 the compute floor, a batch-1 latency row and a long-prompt prefill row.
@@ -14,9 +13,9 @@ is timed (first-touch allocations); then `--repeats` rounds (default 3) time
 every side in turn, each round followed by the floor's GEMM timing, so a
 round's fraction of the floor compares it with the machine as it was then
 (this machine's speed drifts: its BLAS rate fell by a third for minutes in
-one session). The table shows medians and the figures of each round.
+one run). The table shows medians and the figures of each round.
 
-    .venv/bin/python -m scripts.bench [--out runs/bench.json] [--skip-hf]
+    python -m scripts.bench [--out runs/bench.json] [--skip-hf]
 
 Prints a table and writes JSON. Timings are never asserted in tests.
 """
@@ -33,36 +32,30 @@ from pathlib import Path
 import torch
 
 from rollout import Engine, SamplingParams
-from rollout.model.decoder import onednn_linear
+from rollout.model.linear import onednn_linear
+from scripts.presets import preset
 
-BENCH_25M = dict(
-    vocab_size=4096,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    tie_word_embeddings=True,
-    max_position_embeddings=2048,
-)
+BENCH_25M = preset("bench-25m")
 STOP_IDS = list(range(10, 50))
 N, PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 16, 32, 128
+ENGINE_SIZES = dict(device="cpu", max_batch_size=PROMPTS * N, max_seq_len=2048, kv_cache_tokens=64 * 1024)
 
 
 def make_checkpoint(path: Path, config: dict = BENCH_25M, dtype: torch.dtype = torch.float32):
-    """A random Qwen2 checkpoint written by transformers at `path`; returns the model (on the CPU).
+    """A random checkpoint of `config` (a preset of scripts/presets.py) written
+    by transformers at `path`; returns the model (on the CPU).
 
     Built under a default dtype rather than with `from_config(dtype=...)`, which
     older transformers lack; a cast afterwards would also round the rotary
     inv_freq buffer and move a bf16 reference by up to 0.01 logprob.
     """
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**config)).eval()
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).eval()
     finally:
         torch.set_default_dtype(previous)
     model.save_pretrained(path)
@@ -180,37 +173,62 @@ def sampler_ms(rows: int = 64, vocab: int = 151936, rounds: int = 5, top_p: floa
 
 
 def run(args) -> dict:
+    """The rollout rows over `args.repeats` alternating rounds with their floors, then the single-run rows."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
     tmp = Path(tempfile.mkdtemp(prefix="bench25m_"))
-    hf = make_checkpoint(tmp)
-    sizes = dict(device="cpu", max_batch_size=PROMPTS * N, max_seq_len=2048, kv_cache_tokens=64 * 1024)
-    engine = Engine(tmp, **sizes)
+    model = make_checkpoint(tmp)
+    hf = None if args.skip_hf else model
+    engine = Engine(tmp, **ENGINE_SIZES)
+    runs, round_rates = timed_rounds(rollout_sides(tmp, engine, hf), args.repeats)
+    results = {"threads": torch.get_num_threads(), "repeats": args.repeats, **summarize(runs, round_rates)}
+    results["engine"].update(kernels=engine.config.kernels, gemm=engine.model.gemm)
+    results.update(single_runs(engine, hf))
+    return results
+
+
+def rollout_sides(path: Path, engine: Engine, hf) -> dict:
+    """The timed sides of the rollout rows, each a call returning (tokens, seconds):
+    the engine, the engine on torch ops only (when it runs compiled kernels), and
+    transformers (unless `hf` is None)."""
     prompts = workload_prompts(PROMPTS, PROMPT_LEN)
     params = SamplingParams(n=N, max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=STOP_IDS, ignore_eos=True)
     sides = {"engine": lambda: time_engine(engine, prompts, params)}
-    if engine.config.kernels != "torch":  # the same engine on torch ops only
-        plain = Engine(tmp, **sizes, kernels="torch")
+    if engine.config.kernels != "torch":
+        plain = Engine(path, **ENGINE_SIZES, kernels="torch")
         sides["engine_torch_ops"] = lambda: time_engine(plain, prompts, params)
-    if not args.skip_hf:
+    if hf is not None:
         sides["transformers"] = lambda: time_hf(hf, prompts, N, MAX_TOKENS)
+    return sides
+
+
+def timed_rounds(sides: dict, repeats: int) -> tuple[dict[str, list[tuple[int, float]]], list[dict[str, float]]]:
+    """Every side once untimed (first-touch allocations), then `repeats` rounds
+    timing the sides in turn, each round followed by the GEMM rates of its floor,
+    so a drifting machine hits every side and its floor alike."""
     for timed in sides.values():
-        timed()  # warm-up: every side runs the whole workload once first
+        timed()
     runs: dict[str, list[tuple[int, float]]] = {name: [] for name in sides}
-    round_rates: list[dict[str, float]] = []
-    for _ in range(args.repeats):  # rounds alternate the sides, so a drifting machine hits them alike
+    round_rates = []
+    for _ in range(repeats):
         for name, timed in sides.items():
             runs[name].append(timed())
-        round_rates.append(best_gemm_rate())  # the floor of this round, measured next to it
-    results: dict = {"threads": torch.get_num_threads(), "repeats": args.repeats}
+        round_rates.append(best_gemm_rate())
+    return runs, round_rates
+
+
+def summarize(runs: dict[str, list[tuple[int, float]]], round_rates: list[dict[str, float]]) -> dict:
+    """Medians and per-round figures of each side, each round against its own floor."""
     tokens = statistics.mean(t for t, _ in runs["engine"])
     flops = flops_per_token(int(PROMPT_LEN + tokens / (PROMPTS * N) / 2))
     floors = [rates["best"] / flops for rates in round_rates]
     rates = {key: statistics.median(r[key] for r in round_rates) for key in round_rates[0]}
-    results["floor"] = {
-        "gemm_flops_per_s": rates["best"],
-        "gemm_rates": rates,
-        "tokens_per_s": statistics.median(floors),
-        "runs_tokens_per_s": floors,
+    results: dict = {
+        "floor": {
+            "gemm_flops_per_s": rates["best"],
+            "gemm_rates": rates,
+            "tokens_per_s": statistics.median(floors),
+            "runs_tokens_per_s": floors,
+        }
     }
     for name, measured in runs.items():
         per_s = [t / sec for t, sec in measured]
@@ -221,27 +239,30 @@ def run(args) -> dict:
             "fraction_of_floor": statistics.median(fractions),
             "runs_fraction_of_floor": fractions,
         }
-    results["engine"].update(kernels=engine.config.kernels, gemm=engine.model.gemm)
     if "transformers" in runs:
-        ratios = [
-            e / h
-            for e, h in zip(
-                results["engine"]["runs_tokens_per_s"], results["transformers"]["runs_tokens_per_s"], strict=True
-            )
+        engine, hf = results["engine"], results["transformers"]
+        results["speedup_vs_transformers"] = engine["tokens_per_s"] / hf["tokens_per_s"]
+        results["speedup_per_round"] = [
+            e / h for e, h in zip(engine["runs_tokens_per_s"], hf["runs_tokens_per_s"], strict=True)
         ]
-        results["speedup_vs_transformers"] = results["engine"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
-        results["speedup_per_round"] = ratios
+    return results
+
+
+def single_runs(engine: Engine, hf) -> dict:
+    """One run each: batch-1 latency, the sampler alone (compiled kernels only)
+    and a 1024-token prefill, for the engine and (unless `hf` is None) transformers."""
+    prompts = workload_prompts(PROMPTS, PROMPT_LEN)
     one = SamplingParams(n=1, max_tokens=64, temperature=0.0, ignore_eos=True)
-    tokens1, seconds1 = time_engine(engine, prompts[:1], one)
-    results["engine_batch1_ms_per_token"] = 1000 * seconds1 / tokens1
+    tokens, seconds = time_engine(engine, prompts[:1], one)
+    results: dict = {"engine_batch1_ms_per_token": 1000 * seconds / tokens}
     if engine.config.kernels == "compiled":
         results["sampler_ms_64x151936"] = {"none": sampler_ms(), "top_p_0.95": sampler_ms(top_p=0.95)}
     long_prompt = workload_prompts(1, 1024, seed=1)
     _, prefill_s = time_engine(engine, long_prompt, SamplingParams(max_tokens=1, temperature=0.0))
     results["engine_prefill_1024_tokens_per_s"] = 1024 / prefill_s
-    if not args.skip_hf:
-        tokens1, seconds1 = time_hf(hf, prompts[:1], 1, 64, greedy=True)
-        results["transformers_batch1_ms_per_token"] = 1000 * seconds1 / tokens1
+    if hf is not None:
+        tokens, seconds = time_hf(hf, prompts[:1], 1, 64, greedy=True)
+        results["transformers_batch1_ms_per_token"] = 1000 * seconds / tokens
         start = time.perf_counter()
         with torch.no_grad():
             hf(torch.tensor(long_prompt))
@@ -296,7 +317,7 @@ def write_json(path: Path, results: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench.json"))
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="engine rows only")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Does `torch.compile` pay on the CPU? `bench-25m` rollouts on three engines
 in one run, alternating rounds:
 
@@ -14,7 +13,7 @@ Inductor is run without freezing: freezing would pack the weights into the
 compiled code as constants, and a weight push would then go unseen. Without
 it the GEMMs stay on torch's BLAS.
 
-    .venv/bin/python -m scripts.bench_compile [--repeats 3] [--out runs/bench_compile.json]
+    python -m scripts.bench_compile [--repeats 3] [--out runs/bench_compile.json]
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from rollout import Engine, SamplingParams
 from rollout.model.decoder import Model, rms_norm
 from scripts.bench import (
+    ENGINE_SIZES,
     MAX_TOKENS,
     PROMPT_LEN,
     PROMPTS,
@@ -80,11 +80,10 @@ def use_fused_forward(model: Model, compile: bool = True) -> None:
 def run(repeats: int) -> dict:
     path = Path(tempfile.mkdtemp(prefix="bench_compile_"))
     make_checkpoint(path)
-    sizes = dict(device="cpu", max_batch_size=PROMPTS * N, max_seq_len=2048, kv_cache_tokens=64 * 1024)
     engines = {
-        "engine": Engine(path, **sizes),
-        "torch_ops": Engine(path, **sizes, kernels="torch"),
-        "torch_ops_compiled": Engine(path, **sizes, kernels="torch"),
+        "engine": Engine(path, **ENGINE_SIZES),
+        "torch_ops": Engine(path, **ENGINE_SIZES, kernels="torch"),
+        "torch_ops_compiled": Engine(path, **ENGINE_SIZES, kernels="torch"),
     }
     use_fused_forward(engines["torch_ops_compiled"].model)
     prompts = workload_prompts(PROMPTS, PROMPT_LEN)
@@ -104,20 +103,24 @@ def run(repeats: int) -> dict:
     return results
 
 
+def print_table(results: dict, repeats: int) -> None:
+    base = results["torch_ops"]["tokens_per_s"]
+    print(f"bench-25m on CPU, {torch.get_num_threads()} threads; medians of {repeats} alternating rounds")
+    for name in ("engine", "torch_ops", "torch_ops_compiled"):
+        rate = results[name]["tokens_per_s"]
+        print(f"  {name:20s} {rate:8.0f} tokens/s  {rate / base:5.2f}x torch ops")
+    print(f"  first run of the compiled engine (compiling): {results['first_run_with_compile_s']:.1f} s")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_compile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench_compile.json"))
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     results = run(args.repeats)
-    base = results["torch_ops"]["tokens_per_s"]
-    print(f"bench-25m on CPU, {torch.get_num_threads()} threads; medians of {args.repeats} alternating rounds")
-    for name in ("engine", "torch_ops", "torch_ops_compiled"):
-        rate = results[name]["tokens_per_s"]
-        print(f"  {name:20s} {rate:8.0f} tokens/s  {rate / base:5.2f}x torch ops")
-    print(f"  first run of the compiled engine (compiling): {results['first_run_with_compile_s']:.1f} s")
+    print_table(results, args.repeats)
     write_json(args.out, results)
 
 

@@ -1,30 +1,31 @@
-#!/usr/bin/env python
 """Weight-sync benchmark (docs/benchmarks.md): push the float32 state dict of a
-Qwen2-shaped model (vocab 32000, hidden 1024, intermediate 2816, 8 layers,
-16 heads, 8 KV heads, tied) to 2 rollout actors, against two in-memory copies
-of the same bytes timed in the same run, and the naive `ray.put` of the dict.
-Also the longest pause in token production during a push against the median
-decode step, while both actors generate.
+Qwen2-shaped model (the `bench-sync` preset of scripts/presets.py: vocab
+32000, hidden 1024, intermediate 2816, 8 layers, 16 heads, 8 KV heads, tied)
+to 2 rollout actors, against two in-memory copies of the same bytes timed in
+the same run, and the naive `ray.put` of the dict. Also the longest pause in
+token production during a push against the median decode step, while both
+actors generate.
 
-    .venv/bin/python -m scripts.bench_sync [--pushes 10] [--warmup 3] [--out runs/bench_sync.json]
+    python -m scripts.bench_sync [--pushes 10] [--warmup 3] [--out runs/bench_sync.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
+import timeit
 from pathlib import Path
 
 import torch
 
 import rollout
 from rollout import SamplingParams, generation_pause
+from scripts.bench import write_json
 from scripts.synthetic import qwen2_config, random_state, write_checkpoint
 
-CONFIG = qwen2_config()
+CONFIG = qwen2_config("bench-sync")
 
 
 class CopyFloor:
@@ -39,13 +40,11 @@ class CopyFloor:
 
     def seconds(self, repeats: int = 3) -> float:
         """Best of `repeats` timings of the two copies."""
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            self.dst.copy_(self.src)
-            self.dst.copy_(self.src)
-            best = min(best, time.perf_counter() - start)
-        return best
+        return min(timeit.repeat(self._copy_twice, repeat=repeats, number=1))
+
+    def _copy_twice(self) -> None:
+        self.dst.copy_(self.src)
+        self.dst.copy_(self.src)
 
 
 def naive_push_seconds(state: dict[str, torch.Tensor], actors) -> float:
@@ -165,20 +164,8 @@ def measure_pause(cluster, states, pushes: int) -> dict:
     return longest_pause(cluster, windows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pushes", type=int, default=10, help="timed pushes")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed pushes after the first")
-    parser.add_argument(
-        "--store-mb", type=int, default=1536, help="object store size: room for the live and the next version"
-    )
-    parser.add_argument("--pause-pushes", type=int, default=3, help="pushes during generation")
-    parser.add_argument("--no-naive", dest="naive", action="store_false", help="skip the slow naive baseline")
-    parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench_sync.json"))
-    args = parser.parse_args()
-    r = run(args)
-    print(f"state dict: {r['bytes'] / 2**20:.0f} MiB float32, 2 actors, {args.bucket_mb} MiB buckets")
+def print_report(r: dict, bucket_mb: int) -> None:
+    print(f"state dict: {r['bytes'] / 2**20:.0f} MiB float32, 2 actors, {bucket_mb} MiB buckets")
     print(f"floor (two in-memory copies): {r['floor_two_copies_s'] * 1000:8.1f} ms (median)")
     print(f"first push (cold buffers):     {r['first_push_s'] * 1000:8.1f} ms")
     print(f"warm-up pushes:                {', '.join(f'{t * 1000:.0f}' for t in r['warmup_push_s'])} ms")
@@ -201,8 +188,23 @@ def main() -> None:
         f"{r['pause_in_steps']:.2f} x median decode step ({r['median_step_s'] * 1000:.1f} ms); "
         f"a push while both actors generate: {r['push_while_generating_s'] * 1000:.0f} ms (median)"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(r, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_sync", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pushes", type=int, default=10, help="timed pushes")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed pushes after the first")
+    parser.add_argument(
+        "--store-mb", type=int, default=1536, help="object store size: room for the live and the next version"
+    )
+    parser.add_argument("--pause-pushes", type=int, default=3, help="pushes during generation")
+    parser.add_argument("--no-naive", dest="naive", action="store_false", help="skip the slow naive baseline")
+    parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_sync.json"))
+    args = parser.parse_args()
+    results = run(args)
+    print_report(results, args.bucket_mb)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Every GPU check in one call: bf16 parity against transformers on the GPU,
 CUDA graphs against the eager path, `bench-25m` against transformers
 `generate()`, and a Qwen2.5-0.5B-shaped bf16 model at batch 64 and 256
@@ -20,6 +19,7 @@ import argparse
 import statistics
 import tempfile
 import time
+import timeit
 import traceback
 from pathlib import Path
 
@@ -38,37 +38,11 @@ from scripts.bench import (  # the bench-25m workload and its timers
     workload_prompts,
     write_json,
 )
+from scripts.presets import preset
 
-QWEN25_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
-)
-PARITY = dict(
-    vocab_size=2048,
-    hidden_size=256,
-    intermediate_size=704,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-    max_position_embeddings=1024,
-)
-SMOKE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-    max_position_embeddings=512,
-)
+QWEN25_05B = preset("qwen2.5-0.5b")
+PARITY = preset("gpu-parity")
+SMOKE = preset("smoke")
 
 
 def graph_report(engine: Engine) -> dict:
@@ -148,34 +122,26 @@ def bench_25m(root: Path, device: torch.device, config: dict, prompts: int, n: i
     }
 
 
+def best_seconds(fn, device: torch.device, repeats: int = 5) -> float:
+    """Seconds of the fastest of `repeats` calls of `fn`, the device synchronized
+    before and after each (timeit: garbage collection off while timing)."""
+    return min(timeit.repeat(lambda: (fn(), sync(device)), setup=lambda: sync(device), repeat=repeats, number=1))
+
+
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes read plus written per second by a device-to-device copy (best of 5)."""
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
+    return 2 * nbytes / best_seconds(lambda: dst.copy_(src), device)
 
 
 def square_gemm_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
-    """FLOP/s of a size x size matrix product in `dtype` on `device` (best of 5)."""
+    """FLOP/s of a size x size matrix product in `dtype` on `device` (best of 5, after 3 untimed)."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     for _ in range(3):
         a @ b
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        start = time.perf_counter()
-        a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    return 2 * size**3 / best_seconds(lambda: a @ b, device)
 
 
 def decode_floor(config: dict, batch: int, context: float, bandwidth: float, flops_rate: float) -> dict:
@@ -290,7 +256,7 @@ def print_table(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_check.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script only")
     args = parser.parse_args(argv)

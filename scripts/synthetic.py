@@ -8,21 +8,16 @@ from pathlib import Path
 
 import torch
 
+from scripts.presets import preset
 
-def qwen2_config(vocab=32000, hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=8, max_positions=4096):
-    return dict(
-        model_type="qwen2",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        tie_word_embeddings=True,
-        max_position_embeddings=max_positions,
-        rms_norm_eps=1e-6,
-        eos_token_id=2,
-    )
+
+def qwen2_config(name: str = "bench-sync", **overrides) -> dict:
+    """A preset of scripts/presets.py (the weight-sync benchmark's by default)
+    as the config.json of the tied Qwen2 checkpoints this module writes."""
+    cfg = preset(name, **overrides)
+    if cfg["model_type"] != "qwen2" or not cfg["tie_word_embeddings"]:
+        raise ValueError(f"synthetic checkpoints are tied Qwen2 models; preset {name!r} is not")
+    return cfg
 
 
 def qwen2_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:

@@ -8,22 +8,11 @@ from pathlib import Path
 
 import torch
 
+from scripts.presets import preset
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
-_BASE = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    eos_token_id=2,
-    bos_token_id=1,
-)
-
-# Per family: the features the engine must cover.
+# Per family, over the `test-tiny` preset (scripts/presets.py): the features the engine must cover.
 _FAMILY = {
     "llama": dict(
         tie_word_embeddings=False,
@@ -47,7 +36,8 @@ _FAMILY = {
 def hf_config(family: str, **overrides):
     from transformers import AutoConfig
 
-    kwargs = {**_BASE, **_FAMILY[family], **overrides}
+    kwargs = preset("test-tiny", **{**_FAMILY[family], **overrides})
+    del kwargs["model_type"]
     rope_theta = kwargs.pop("rope_theta", 10000.0)
     rope_scaling = kwargs.pop("rope_scaling", None)
     cfg = AutoConfig.for_model(family, **kwargs)
@@ -122,3 +112,19 @@ def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     lp = torch.log_softmax(logits, dim=-1)
     start = len(prompt) - 1
     return lp[start : start + len(tokens)].gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def pack_state(state_dict, bucket_bytes: int | None = None):
+    """`state_dict` packed as the weight wire format's buckets, each copied
+    together from its segments, and their manifest: what an actor holds once
+    a push has arrived, without an object store in between."""
+    import numpy as np
+
+    from rollout.cluster.wire import Manifest
+    from rollout.cluster.wire_send import DEFAULT_BUCKET_BYTES, BucketPacker
+
+    buckets, entries = [], []
+    for packed in BucketPacker(bucket_bytes or DEFAULT_BUCKET_BYTES).pack_buckets(state_dict):
+        buckets.append(np.concatenate(packed.segments))
+        entries.extend(packed.entries)
+    return buckets, Manifest(tuple(entries), tuple(b.nbytes for b in buckets))

@@ -33,7 +33,7 @@ class RolloutBatch:
     top_k: torch.Tensor  # [B] int64
     top_p: torch.Tensor  # [B] float32
     min_p: torch.Tensor  # [B] float32
-    logprobs_mode: torch.Tensor  # [B] int64 rollout.sampler.MODE_CODES
+    logprobs_mode: torch.Tensor  # [B] int64 rollout.engine.sampler.MODE_CODES
     finish_reasons: list[str] = field(default_factory=list)
     texts: list[str | None] = field(default_factory=list)
     policy_version: int = 0  # the policy version when the batch was assembled

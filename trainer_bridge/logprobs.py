@@ -1,5 +1,5 @@
 """Trainer-side recompute of the rollout logprobs with the engine's exact
-math (the same `rollout.sampler.logprobs_of`), and the rollout-vs-trainer
+math (the same `rollout.engine.sampler.logprobs_of`), and the rollout-vs-trainer
 mismatch every RL framework's users ask for."""
 
 from __future__ import annotations

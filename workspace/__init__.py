@@ -2,8 +2,8 @@
 its page allocator, the preallocated per-step buffers and the decode cache.
 Nothing here knows the engine."""
 
-from .buffers import BUFFER_NAMES, InferenceWorkspace, WorkspaceShape
-from .decode_cache import DecodeCache, DecodeCacheMismatch, DecodeRows
+from .decode_cache import DecodeCache, DecodeCacheMismatch, DecodeRows, TaskSignature
+from .inference_workspace import BUFFER_NAMES, InferenceWorkspace, WorkspaceShape
 from .kv_pool import KVPool
 from .page_allocator import PageAllocator, page_hash
 
@@ -15,6 +15,7 @@ __all__ = [
     "InferenceWorkspace",
     "KVPool",
     "PageAllocator",
+    "TaskSignature",
     "WorkspaceShape",
     "page_hash",
 ]

@@ -1,26 +1,24 @@
 """The decode steady-state cache.
 
 In steady state the same ordered set of sequences decodes one token per step.
-The cache remembers the *task signature* of the last pure-decode step: the
-policy state and the ordered tuple of sequence ids. Sequence ids are unique
-for the life of an engine and never recycled with a batch row or a KV slot,
-so a new sequence that lands in a finished one's row changes the signature.
-On a match, the previous step's sampled tokens are copied device-to-device
-into the next step's input ids, positions and RNG counters advance by one on
-the device, and the sampling-parameter tensors are reused as they are. Any
-change of membership, order or policy state rebuilds everything from the host.
+The cache remembers the `TaskSignature` of the last pure-decode step: the
+policy version and the ordered sequence ids. On a match, the previous step's
+sampled tokens are copied device-to-device into the next step's input ids,
+positions and RNG counters advance by one on the device, and the
+sampling-parameter tensors are reused as they are. Any change of membership,
+order or policy version rebuilds everything from the host.
 
 `debug=True` runs the host path beside the fast one and raises if they differ.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .buffers import InferenceWorkspace
+from .inference_workspace import InferenceWorkspace
 
 # Buffers the fast path reuses untouched.
 REUSED = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_index", "mode", "logit_rows", "sample_rows")
@@ -48,6 +46,28 @@ class DecodeRows:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class TaskSignature:
+    """What a pure-decode step computes, as far as reusing the last step's inputs goes.
+
+    Sequence ids are unique for the life of an engine and never recycled with
+    a batch row or a KV slot, so equal ids mean the same sequences in the same
+    rows: a new sequence that lands in a finished one's row changes the
+    signature even when the batch keeps its size. The policy version is part
+    of it because a weight commit between two steps may rewrite what the same
+    sequences feed next (a restart drops their outputs, a recompute their KV):
+    inputs staged under one version are never reused under another, whichever
+    way the commit went.
+    """
+
+    version: int  # policy version the step runs under
+    seq_ids: tuple[int, ...]  # the decoding sequences, in row order
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_ids)
+
+
 class DecodeCacheMismatch(AssertionError):
     """The fast path produced different inputs than the host path (debug mode)."""
 
@@ -58,20 +78,20 @@ class DecodeCache:
     def __init__(self, workspace: InferenceWorkspace, debug: bool = False) -> None:
         self.ws = workspace
         self.debug = debug
-        self._signature: Hashable | None = None
-        self._rows = 0
+        self._signature: TaskSignature | None = None  # of the last pure-decode step, until consumed
         self.hits = 0
         self.misses = 0
 
-    def prepare(self, signature: Hashable, num_rows: int, build: Callable[[], DecodeRows]) -> bool:
-        """Fill the decode inputs for `num_rows` rows; returns True on a cache hit.
+    def prepare(self, signature: TaskSignature, build: Callable[[], DecodeRows]) -> bool:
+        """Fill the decode inputs for `signature`'s rows; returns True on a cache hit.
 
         `build` produces the host truth; it is called only on a miss or in
         debug mode. The signature is consumed: `remember` must be called
         again after the step's sampler has written `out_tokens`.
         """
-        hit = signature == self._signature and num_rows == self._rows
+        hit = signature == self._signature
         self._signature = None
+        num_rows = signature.num_rows
         if hit:
             self.hits += 1
             self.ws.view("input_ids", num_rows).copy_(self.ws.view("out_tokens", num_rows))
@@ -85,11 +105,10 @@ class DecodeCache:
             self.ws.upload(name, values)
         return False
 
-    def remember(self, signature: Hashable, num_rows: int) -> None:
+    def remember(self, signature: TaskSignature) -> None:
         """Record that the last step was a pure decode of `signature` whose
-        sampled tokens now sit in `out_tokens[:num_rows]`."""
+        sampled tokens now sit in `out_tokens[: signature.num_rows]`."""
         self._signature = signature
-        self._rows = num_rows
 
     def invalidate(self) -> None:
         self._signature = None

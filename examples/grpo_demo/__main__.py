@@ -1,6 +1,8 @@
-#!/usr/bin/env python
 """GRPO on an embedded local Ray cluster: a tiny model learns a rule from a
-programmatic reward, with a weight push after every optimizer step."""
+programmatic reward, with a weight push after every optimizer step.
+
+    python -m examples.grpo_demo [--steps 80] [--actors 2] [--out runs/demo] [--no-wandb]
+"""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from examples.grpo_demo.trainer import DemoConfig, run
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.grpo_demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=80, help="optimizer steps, one weight push each")
     parser.add_argument("--actors", type=int, default=2, help="rollout actors")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"))

@@ -1,13 +1,9 @@
-"""The GRPO demo: a tiny Llama model learns a rule from a programmatic
-reward, trained with a plain PyTorch loop on the transformers model while an
-embedded local Ray cluster of rollout actors generates one step ahead.
+"""The GRPO demo's training loop: a plain PyTorch loop on the transformers
+model of the task (task.py) while an embedded local Ray cluster of rollout
+actors generates one step ahead, a weight push after every optimizer step.
+`run` writes the summary, the per-step rows and the reward plot.
 
-Task ("copying with a rule"): the prompt is a digit and ">", e.g. "4>"; the
-answer is four tokens, and the reward is the fraction of them that equal the
-digit's successor (mod 10), "5555" for "4>". A random model scores about
-1/16; GRPO lifts it within a few dozen steps.
-
-Needs the `demo` extra (transformers, matplotlib, tqdm).
+Needs the `demo` extra (transformers, matplotlib).
 """
 
 from __future__ import annotations
@@ -23,15 +19,13 @@ from pathlib import Path
 import torch
 
 import rollout
+from examples.grpo_demo import task
 from rollout import SamplingParams
 from rollout.checks import check_int
 from trainer_bridge.bridge import TrainerBridge
 from trainer_bridge.grpo import clipped_policy_loss, group_advantages
 from trainer_bridge.logprobs import logprob_mismatch, token_logprobs
 from trainer_bridge.metrics import Metrics
-
-SPECIALS = ["<pad>", "<s>", "</s>"]
-SYMBOLS = [str(d) for d in range(10)] + [">", "+", "="]
 
 
 @dataclass(slots=True)
@@ -53,49 +47,13 @@ class DemoConfig:
         self.out = Path(self.out)
 
 
-def make_task_model(path: Path, seed: int):
-    """Write a random tiny Llama checkpoint and its tokenizer to `path`; return the transformers model."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=16,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    model = AutoModelForCausalLM.from_config(cfg)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    vocab = {t: i for i, t in enumerate(SPECIALS + SYMBOLS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.save(str(path / "tokenizer.json"))
-    return model
-
-
-def rewards(prompts: list[str], batch) -> torch.Tensor:
-    """Fraction of each row's 4 answer tokens that are the successor of its prompt digit."""
-    target = torch.tensor([(int(prompts[g][0]) + 1) % 10 + len(SPECIALS) for g in batch.group_index.tolist()])
-    hits = (batch.response_ids == target[:, None]) & batch.response_mask.bool()
-    return hits.float().sum(dim=1) / 4
-
-
 def run(cfg: DemoConfig, progress: bool = True) -> dict:
+    """Train for `cfg.steps` steps on a fresh local cluster; writes summary.json,
+    steps.json and reward.png under `cfg.out` and returns the summary."""
     cfg.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)  # the actors have the other cores
-    model = make_task_model(cfg.out / "checkpoint", cfg.seed)
+    model = task.make_task_model(cfg.out / "checkpoint", cfg.seed)
     metrics = Metrics(project="rollout-demo", config=_jsonable(cfg), dir=cfg.out, enabled=cfg.wandb)
     cluster = rollout.init(
         cfg.out / "checkpoint",
@@ -126,33 +84,27 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
     from tqdm import tqdm
 
     rng = random.Random(cfg.seed)
-    params = SamplingParams(n=cfg.n, max_tokens=4, ignore_eos=True, temperature=1.0)
+    params = SamplingParams(n=cfg.n, max_tokens=task.ANSWER_TOKENS, ignore_eos=True, temperature=1.0)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     snapshots = {0: copy.deepcopy(model).eval()}  # the policy behind each version, to measure mismatch
-    pending = bridge.submit(_prompts(rng, cfg), params)
+    pending = bridge.submit(task.prompts(rng, cfg.prompts_per_step), params)
     rows = []
     bar = tqdm(range(cfg.steps), desc="GRPO", unit="step", disable=not progress)
     for step in bar:
         batch = bridge.collect(pending, timeout=300)
         prompts = pending.prompts
-        pending = bridge.submit(_prompts(rng, cfg), params)  # the next batch generates while this one trains
-        reward = rewards(prompts, batch)
+        # The next batch generates while this one trains.
+        pending = bridge.submit(task.prompts(rng, cfg.prompts_per_step), params)
+        reward = task.rewards(prompts, batch)
         mismatch = _mismatch(batch, snapshots)
-        model.train()
-        new_logprobs = token_logprobs(model, batch)
-        loss = clipped_policy_loss(
-            new_logprobs, batch.old_logprobs, group_advantages(reward, batch.group_index), batch.response_mask, cfg.clip
-        )
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        loss = _policy_step(model, optimizer, batch, reward, cfg.clip)
         version = bridge.push(model)
         snapshots[version] = copy.deepcopy(model).eval()
         snapshots.pop(version - cfg.max_staleness - 2, None)
         row = {
             "step": step,
             "reward": float(reward.mean()),
-            "loss": loss.item(),
+            "loss": loss,
             "version": version,
             "staleness_max": batch.staleness["max"],
             "push_seconds": bridge.last_push_seconds,
@@ -168,8 +120,16 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
     return rows
 
 
-def _prompts(rng: random.Random, cfg: DemoConfig) -> list[str]:
-    return [f"{rng.randrange(10)}>" for _ in range(cfg.prompts_per_step)]
+def _policy_step(model, optimizer, batch, reward: torch.Tensor, clip: float) -> float:
+    """One GRPO optimizer step on `batch`: group-relative advantages, the clipped
+    surrogate against the rollout logprobs; returns the loss."""
+    model.train()
+    advantages = group_advantages(reward, batch.group_index)
+    loss = clipped_policy_loss(token_logprobs(model, batch), batch.old_logprobs, advantages, batch.response_mask, clip)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
 
 
 @torch.no_grad()

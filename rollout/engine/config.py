@@ -1,9 +1,11 @@
-"""`EngineConfig`: the engine's resolved sizes, device and dtype, validated."""
+"""`EngineConfig`: the engine's resolved sizes, device and dtype, validated.
+
+Resolving only validates and computes: nothing is allocated, built or compiled
+here, so a bad argument raises before anything heavy happens."""
 
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -11,12 +13,11 @@ import torch
 from workspace import KVPool
 
 from ..checks import check_int
-from ..kernels.build import KernelUnavailable, cpu_ops
+from ..kernels.choice import REQUESTS as KERNELS
 from ..model.config import ModelConfig
 from .decode_graphs import MODES, resolve_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KERNELS = ("auto", "compiled", "torch")
 # Share of free memory the default KV pool may take.
 _KV_SHARE_CUDA = 0.8
 _KV_SHARE_CPU = 0.25
@@ -32,8 +33,8 @@ class EngineConfig:
     num_pages: int  # pages in the KV pool
     max_step_tokens: int  # tokens computed per step (prefill chunk budget)
     seed: int  # seeds the per-request seeds of unseeded requests
-    decode_graphs: str  # "off", "eager" or "cuda" (see rollout.decode_graphs)
-    kernels: str  # "compiled" (rollout.kernels) or "torch" (torch ops: gathered pages + SDPA)
+    decode_graphs: str  # "off", "eager" or "cuda" (see rollout.engine.decode_graphs)
+    kernels: str  # "compiled" (rollout.kernels) or "torch" (torch ops); "auto" until the Engine loads the kernels
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -77,7 +78,7 @@ class EngineConfig:
         if kv_cache_tokens is None:
             kv_cache_tokens = _default_kv_tokens(mc, dev, dt, max_batch_size * max_seq_len)
         check_int("kv_cache_tokens", kv_cache_tokens, page_size, "(at least one page)")
-        kernel_choice = _kernels(kernels, dev)  # last: it may compile the CPU kernels
+        kernel_choice = check_kernels(kernels, dev)
         return cls(
             device=dev,
             dtype=dt,
@@ -92,25 +93,17 @@ class EngineConfig:
         )
 
 
-def _kernels(kernels, dev: torch.device) -> str:
-    """ "auto" is "compiled" on the CPU when the kernels build (else "torch", with
-    a warning) and "torch" on CUDA; "compiled" insists on the CPU kernels."""
+def check_kernels(kernels, dev: torch.device) -> str:
+    """The kernels request, checked for `dev` without building anything: "auto"
+    is "torch" on CUDA and stays "auto" on the CPU; "compiled" needs the CPU.
+    `rollout.kernels.load_kernels` then fulfils a CPU request."""
     if not isinstance(kernels, str):
         raise TypeError(f"kernels must be a str, one of {KERNELS}, got {type(kernels).__name__}")
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    if kernels == "torch" or (kernels == "auto" and dev.type != "cpu"):
-        return "torch"
-    if dev.type != "cpu":
+    if kernels == "compiled" and dev.type != "cpu":
         raise ValueError(f"kernels='compiled' needs device 'cpu', got {dev}")
-    try:
-        cpu_ops()
-    except KernelUnavailable as exc:
-        if kernels == "compiled":
-            raise
-        warnings.warn(f"{exc}; the engine falls back to kernels='torch'", RuntimeWarning, stacklevel=4)
-        return "torch"
-    return "compiled"
+    return "torch" if dev.type != "cpu" else kernels
 
 
 def _device(device) -> torch.device:

@@ -28,6 +28,8 @@ import torch
 
 from workspace import InferenceWorkspace
 
+from .sampler import SamplerFlags
+
 MODES = ("off", "eager", "cuda")
 
 # Values of the padding rows: a harmless sample that nobody reads.
@@ -61,7 +63,7 @@ class GraphKey:
 
     rows: int  # batch bucket: rows the graph decodes, padding included
     pages: int  # block-table width bucket
-    flags: tuple[bool, bool, bool]  # the sampler's (any_filter, any_greedy, all_greedy)
+    flags: SamplerFlags  # the sampler's branches, fixed in a captured graph
 
 
 def buckets(limit: int) -> tuple[int, ...]:
@@ -111,7 +113,7 @@ class DecodeGraphs:
         self._padded: tuple[int, int] | None = None  # (rows, bucket) the padding rows are laid out for
         self.replays = 0  # steps served by a captured graph (or its eager stand-in)
 
-    def key(self, rows: int, width: int, flags: tuple[bool, bool, bool]) -> GraphKey | None:
+    def key(self, rows: int, width: int, flags: SamplerFlags) -> GraphKey | None:
         """The graph for a step of `rows` rows and `width`-page block tables;
         None when the step is beyond the buckets or the graph budget."""
         r, p = bucket_for(rows, self.row_buckets), bucket_for(width, self.page_buckets)

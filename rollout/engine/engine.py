@@ -1,40 +1,45 @@
 """`Engine`: one device's rollout engine. The glue between the scheduler, the
-stepper, the workspace and the policy version guard; no Ray here."""
+stepper, the workspace and the policy version guard; no Ray here.
+
+A step (`_one_step`) is three calls under the guard: the scheduler plans
+(`schedule`), the stepper computes (`step`), the scheduler applies the result
+(`update`). Its record is logged after the guard is released."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from workspace import DecodeCache, InferenceWorkspace, KVPool, PageAllocator, WorkspaceShape
 
-from ..kernels.build import cpu_ops
+from ..kernels.choice import load_kernels
 from ..model.config import ModelConfig
 from ..model.decoder import Model
 from ..model.loader import load_checkpoint
 from ..outputs import RolloutOutput
 from ..sampling_params import SamplingParams
-from ..tokenizer import TextCodec, find_stop
+from ..tokenizer import TextCodec
 from .config import EngineConfig
 from .decode_graphs import graph_stats
 from .kv_manager import KVManager
 from .requests import make_requests
 from .scheduler import Scheduler
-from .sequence import Request, Sequence
+from .sequence import Request
+from .step_stats import StepInfo, StepLog
 from .stepper import Stepper
+from .stop_strings import StopStrings
 from .version_guard import PolicyVersionGuard
 from .weight_update import StagedUpdate, WeightUpdater
 
 INFLIGHT_MODES = ("recompute", "keep", "drain", "restart")
-_STEP_LOG_SIZE = 8192
 
 
 def check_inflight(inflight: str) -> None:
@@ -49,33 +54,6 @@ class ClosedError(ValueError, RuntimeError):
     kind of handler catches it."""
 
 
-@dataclass(slots=True)
-class StepInfo:
-    """Passed to `step_callback` after every step, outside the guard, and kept
-    in a bounded log (`Engine.step_log`)."""
-
-    end_time: float  # time.time() when the step finished (comparable across processes)
-    seconds: float  # wall time of the step under the guard
-    version: int  # policy version the step ran under
-    num_tokens: int  # tokens computed
-    num_sampled: int  # tokens sampled
-    num_running: int  # sequences holding KV after the step
-    num_waiting: int  # sequences queued for (re)admission
-    kv_pages_used: int
-
-
-def generation_pause(logs: list[list[StepInfo]], start: float, end: float) -> float:
-    """The longest gap between consecutive steps of any engine that overlaps
-    `[start, end]` (seconds); 0 when no engine was generating then."""
-    longest = 0.0
-    for log in logs:
-        ends = [info.end_time for info in log]
-        for a, b in zip(ends, ends[1:], strict=False):
-            if a < end and b > start:
-                longest = max(longest, b - a)
-    return longest
-
-
 class Engine:
     """Samples `n` responses per prompt with per-token logprobs and policy versions.
 
@@ -86,7 +64,7 @@ class Engine:
     (tokens computed per step), `debug_decode_cache` (check the fast decode
     path against the host path every step), `decode_graphs` ("off"; "cuda":
     decode steps replayed from CUDA graphs; "eager": the same padded steps
-    without capture, see `rollout.decode_graphs`), `kernels` ("auto": on
+    without capture, see `rollout.engine.decode_graphs`), `kernels` ("auto": on
     the CPU the compiled kernels of `rollout.kernels` when they build,
     else "torch"; "compiled": those kernels or an error; "torch": torch ops
     only, decode attention over gathered pages with SDPA), `step_callback`.
@@ -123,9 +101,9 @@ class Engine:
             decode_graphs=decode_graphs,
             kernels=kernels,
         )
-        self.config = cfg
         self.codec = TextCodec.from_dir(model_path, self.model_config.eos_token_ids)
-        self._cpu_ops = cpu_ops() if cfg.kernels == "compiled" else None  # built (or loaded) by the config check
+        self._cpu_ops = load_kernels(cfg.kernels)  # compiled at first use; None: torch ops only
+        self.config = cfg = dataclasses.replace(cfg, kernels="torch" if self._cpu_ops is None else "compiled")
         self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len, cpu_ops=self._cpu_ops)
         load_checkpoint(self.model, model_path)
         self.model.pack_weights()
@@ -137,8 +115,8 @@ class Engine:
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
         self._stepping = threading.local()
-        self._step_callback = step_callback
-        self._step_log: deque[StepInfo] = deque(maxlen=_STEP_LOG_SIZE)
+        self._step_callback = step_callback  # called by the thread that stepped, outside the guard
+        self._step_log = StepLog()
         self._closed = False
 
     def _build_runtime(self, debug_decode_cache: bool) -> None:
@@ -169,7 +147,7 @@ class Engine:
             KVManager(PageAllocator(cfg.num_pages, cfg.page_size)),
             max_batch_size=cfg.max_batch_size,
             max_step_tokens=cfg.max_step_tokens,
-            is_stop_text=self._stop_text if self.codec is not None else None,
+            is_stop_text=StopStrings(self.codec).find if self.codec is not None else None,
         )
 
     # -- public API ----------------------------------------------------------------------
@@ -312,9 +290,7 @@ class Engine:
         """The most recent steps (up to 8192), oldest first: when each ended, its
         duration, version and sizes; only those ending after `since` (a
         `time.time()` value) when given. Gaps between steps show generation pauses."""
-        with self._guard.held():
-            log = list(self._step_log)
-        return log if since is None else [info for info in log if info.end_time > since]
+        return self._step_log.since(since)
 
     def close(self) -> None:
         """Release the KV pool and workspace; later calls raise."""
@@ -335,7 +311,7 @@ class Engine:
                 info = self._one_step(pending.values())
                 for index in [i for i, r in pending.items() if r.is_finished]:
                     yield index, pending.pop(index).to_output(decode, index)
-                if info is not None and self._step_callback is not None and info.num_tokens:
+                if info is not None and self._step_callback is not None:
                     self._step_callback(info)
         finally:
             self._stepping.active = False
@@ -345,49 +321,36 @@ class Engine:
                     self._guard.notify()  # a pending drain may be waiting on these
 
     def _one_step(self, requests) -> StepInfo | None:
+        """One step of whatever the scheduler plans (other callers' sequences
+        included); None when no step ran. Logged once the guard is released."""
         with self._guard.step() as version:
             if all(r.is_finished for r in requests):
                 return None  # finished by another caller's steps
-            start = time.perf_counter()
+            started = time.perf_counter()
             plan = self.scheduler.schedule(version)
             if plan.chunks:
-                try:
+                with self._recovering():
                     result = self.stepper.step(plan)
-                except BaseException:
-                    self.scheduler.recover()
-                    self.stepper.invalidate()
-                    raise
                 self.scheduler.update(plan, result)
-            elif not self.scheduler.blocked_by_drain():
+                info = StepInfo.read(started, plan, self.scheduler)
+            elif self.scheduler.blocked_by_drain():
+                info = None
+            else:
                 raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
-            info = StepInfo(
-                end_time=time.time(),
-                seconds=time.perf_counter() - start,
-                version=version,
-                num_tokens=plan.num_tokens,
-                num_sampled=len(plan.samplers),
-                num_running=len(self.scheduler.running),
-                num_waiting=len(self.scheduler.waiting),
-                kv_pages_used=self.scheduler.kv.allocator.num_used,
-            )
-            if plan.chunks:
-                self._step_log.append(info)
-        if not plan.chunks:
+        if info is None:
             # A drain is pending and only new requests remain: wait for its commit.
             self._guard.wait_for(lambda: not self.scheduler.blocked_by_drain(), timeout=1.0)
+            return None
+        self._step_log.record(info)
         return info
 
-    def _stop_text(self, seq: Sequence) -> int | None:
-        """Where a stop string starts in the output text, or None.
-
-        A stop string must end in the newest token's text, so only a tail
-        window is decoded each step (4 tokens per character covers byte-level
-        tokenizers, plus slack for the window's first token); a hit is
-        confirmed, and its position found, on the whole text once.
-        """
-        stops = seq.request.params.stop
-        out = seq.output_token_ids
-        window = 4 * max(len(s) for s in stops) + 8
-        if len(out) > window and find_stop(self.codec.decode(out[-window:]), stops) is None:
-            return None
-        return find_stop(self.codec.decode(out), stops)
+    @contextlib.contextmanager
+    def _recovering(self) -> Iterator[None]:
+        """A step that fails midway leaves KV and device state no later step may
+        trust: its sequences are recomputed and the carried state dropped."""
+        try:
+            yield
+        except BaseException:
+            self.scheduler.recover()
+            self.stepper.invalidate()
+            raise

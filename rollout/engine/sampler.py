@@ -11,8 +11,9 @@ preempted sequence recomputed later draws what it would have drawn.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +37,22 @@ def counter_uniform(seed: torch.Tensor, stream: torch.Tensor, counter: torch.Ten
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
+class SamplerFlags(NamedTuple):
+    """Host-known facts about a batch that pick the sampler's branches. Known
+    without reading the device, so a decode graph can be keyed by them."""
+
+    any_filter: bool  # some row uses top-k, top-p or min-p
+    any_greedy: bool  # some row has temperature 0
+    all_greedy: bool  # every row has temperature 0
+
+    @classmethod
+    def of(cls, params: Iterable) -> SamplerFlags:
+        """The flags of a batch whose rows sample with `params` (`SamplingParams`)."""
+        params = list(params)
+        greedy = [p.is_greedy for p in params]
+        return cls(any(p.has_filters for p in params), any(greedy), all(greedy))
+
+
 @dataclass(slots=True)
 class SamplingBatch:
     """Per-row sampling parameters (device tensors `[R]`) plus host-known flags."""
@@ -48,9 +65,7 @@ class SamplingBatch:
     sample_index: torch.Tensor  # int64: which of the request's n samples (RNG stream)
     rng_pos: torch.Tensor  # int64: index of the output token being sampled (RNG counter)
     mode: torch.Tensor  # int64 MODE_CODES
-    any_filter: bool  # some row uses top-k, top-p or min-p
-    any_greedy: bool  # some row has temperature 0
-    all_greedy: bool  # every row has temperature 0
+    flags: SamplerFlags  # which branches the rows need
 
     @classmethod
     def of(
@@ -77,9 +92,11 @@ class SamplingBatch:
             zeros if sample_index is None else sample_index,
             zeros if rng_pos is None else rng_pos,
             mode,
-            any_filter=bool(((top_k > 0) | (top_p < 1) | (min_p > 0)).any()),
-            any_greedy=bool(greedy.any()),
-            all_greedy=bool(greedy.all()),
+            SamplerFlags(
+                any_filter=bool(((top_k > 0) | (top_p < 1) | (min_p > 0)).any()),
+                any_greedy=bool(greedy.any()),
+                all_greedy=bool(greedy.all()),
+            ),
         )
 
 
@@ -105,7 +122,7 @@ def sample(
         torch.ops.rollout.counter_uniform(p.seed, p.sample_index, p.rng_pos, u)  # loaded with the kernel
         kernel(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.mode, u, out_tokens, out_logprobs)
         return
-    if p.all_greedy:
+    if p.flags.all_greedy:
         tokens = logits.argmax(dim=-1)
         out_tokens.copy_(tokens)
         out_logprobs.copy_(logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1))
@@ -113,7 +130,7 @@ def sample(
     scaled, final = _distributions(logits, p)
     u = counter_uniform(p.seed, p.sample_index, p.rng_pos)
     tokens = _inverse_cdf(torch.softmax(final, dim=-1), u)
-    if p.any_greedy:
+    if p.flags.any_greedy:
         tokens = torch.where(p.temperature == 0, logits.argmax(dim=-1), tokens)
     out_tokens.copy_(tokens)
     out_logprobs.copy_(_logprobs(logits, scaled, final, tokens, p))
@@ -131,14 +148,14 @@ def _distributions(logits: torch.Tensor, p: SamplingBatch) -> tuple[torch.Tensor
     """Temperature-scaled logits and the final (filtered) ones; greedy rows use temperature 1."""
     temperature = torch.where(p.temperature == 0, torch.ones_like(p.temperature), p.temperature)
     scaled = logits / temperature[:, None]
-    return scaled, _apply_filters(scaled, p) if p.any_filter else scaled
+    return scaled, _apply_filters(scaled, p) if p.flags.any_filter else scaled
 
 
 def _logprobs(logits, scaled, final, tokens, p: SamplingBatch) -> torch.Tensor:
     picked = tokens[:, None]
     raw = logits.gather(1, picked).squeeze(1) - torch.logsumexp(logits, dim=-1)
     scaled_lp = scaled.gather(1, picked).squeeze(1) - torch.logsumexp(scaled, dim=-1)
-    processed = final.gather(1, picked).squeeze(1) - torch.logsumexp(final, dim=-1) if p.any_filter else scaled_lp
+    processed = final.gather(1, picked).squeeze(1) - torch.logsumexp(final, dim=-1) if p.flags.any_filter else scaled_lp
     lp = torch.where(p.mode == MODE_CODES["scaled"], scaled_lp, processed)
     lp = torch.where(p.mode == MODE_CODES["raw"], raw, lp)
     return torch.where(p.temperature == 0, raw, lp)

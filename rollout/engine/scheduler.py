@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from ..outputs import FINISH_REASONS
 from .kv_manager import KVManager
 from .plan import ScheduledChunk, SchedulerStats, StepPlan, StepResult
 from .sequence import Request, SeqStatus, Sequence
@@ -167,6 +168,9 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` for `reason`, one of FINISH_REASONS (what `Sample.finish_reason` promises)."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason must be one of {FINISH_REASONS}, got {reason!r}")
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:

@@ -2,28 +2,46 @@
 one step. It binds KV pages, runs prefill chunks and decodes through the
 model, samples, and returns tokens, logprobs and the policy version. It never
 changes request state: the scheduler does, from the returned result.
+
+A step is three named parts: `_prepare` (page copies, the inputs in the
+workspace, attention metadata), `_run` (a decode graph's replay, or the model
+and sampler) and `_finish` (read the tokens and logprobs back, remember a
+pure decode's signature for the next step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from workspace import DecodeCache, DecodeRows, InferenceWorkspace, KVPool
+from workspace import DecodeCache, DecodeRows, InferenceWorkspace, KVPool, TaskSignature
 
 from ..model.attention import AttentionMetadata, PrefillSpan
 from ..model.decoder import Model
 from .decode_graphs import DecodeGraphs, GraphKey
 from .plan import ScheduledChunk, StepPlan, StepResult
-from .sampler import MODE_CODES, SamplingBatch, sample
+from .sampler import MODE_CODES, SamplerFlags, SamplingBatch, sample
 from .sequence import Sequence
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_index", "rng_pos", "mode")
 
 
+@dataclass(slots=True)
+class PreparedStep:
+    """What `_prepare` left for `_run` and `_finish`; the inputs themselves are in the workspace."""
+
+    meta: AttentionMetadata  # where the step's KV goes and what each row attends to
+    num_rows: int  # sampled rows: one token and logprob each
+    num_logits: int  # rows of logits the model computes (samples of one prompt share a row)
+    flags: SamplerFlags  # the sampler's branches for these rows
+    signature: TaskSignature | None  # a pure decode's signature; None for a step with prefill chunks
+    graph: GraphKey | None  # the decode graph that serves the step; None: the eager forward
+
+
 class Stepper:
-    """`decode_graphs` ("off", "eager" or "cuda", see `rollout.decode_graphs`)
+    """`decode_graphs` ("off", "eager" or "cuda", see `rollout.engine.decode_graphs`)
     serves pure-decode steps from graphs; padding rows then write to
     `scratch_page`, a KV page no sequence owns. `decode_kernel` (see
     `rollout.kernels`) attends decodes in place instead of gathering pages;
@@ -47,7 +65,7 @@ class Stepper:
         self.page_size = kv.page_size
         self.decode_kernel = decode_kernel
         self.sample_kernel = sample_kernel
-        self._flags = (False, False, False)  # any_filter, any_greedy, all_greedy of the cached batch
+        self._flags = SamplerFlags(False, False, False)  # of the batch whose inputs the workspace holds
         self.graphs = None
         if decode_graphs != "off":
             if scratch_page is None:
@@ -56,34 +74,50 @@ class Stepper:
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
-        if plan.page_copies:
-            src, dst = zip(*plan.page_copies, strict=True)
-            dev = self.kv.k.device
-            self.kv.copy_pages(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        """One step of `plan`: a token and its logprob per sampler row, in plan order."""
+        prepared = self._prepare(plan)
+        self._run(plan, prepared)
+        return self._finish(plan, prepared)
+
+    def _prepare(self, plan: StepPlan) -> PreparedStep:
+        """Copy-on-write page copies, then the step's inputs into the workspace
+        (a pure decode of the last step's sequences reuses them on the device)
+        and its attention metadata."""
+        self._copy_pages(plan.page_copies)
         samplers = plan.samplers
         num_rows = len(samplers)
-        pure_decode = _is_pure_decode(plan.chunks)
-        if pure_decode:
-            signature = (plan.version, tuple(s.seq_id for s in samplers))
-            if not self.cache.prepare(signature, num_rows, lambda: self._decode_rows(plan.chunks)):
-                self._flags = _flags(samplers)
+        signature = None
+        if _is_pure_decode(plan.chunks):
+            signature = TaskSignature(plan.version, tuple(s.seq_id for s in samplers))
+            if not self.cache.prepare(signature, lambda: self._decode_rows(plan.chunks)):
+                self._flags = SamplerFlags.of(s.request.params for s in samplers)  # a hit keeps the last ones
             num_logits = num_rows
         else:
             num_logits = self._upload_general(plan.chunks)
-            self._flags = _flags(samplers)
+            self._flags = SamplerFlags.of(s.request.params for s in samplers)
         meta = self._attention_metadata(plan.chunks)
-        width = meta.decode_block_tables.shape[1] if pure_decode else 0
-        key = self.graphs.key(num_rows, width, self._flags) if self.graphs and pure_decode else None
-        if key is not None:
-            self.graphs.run(num_rows, key)
-        else:
-            if self.graphs is not None:
-                self.graphs.invalidate()  # this step's uploads may have overwritten the padding rows
-            self._forward(plan.num_tokens, meta, num_logits, num_rows, self._flags)
-        out_tokens = self.ws.view("out_tokens", num_rows)
-        result = StepResult(out_tokens.tolist(), self.ws.view("out_logprobs", num_rows).tolist(), plan.version)
-        if pure_decode:
-            self.cache.remember(signature, num_rows)
+        graph = None
+        if self.graphs is not None and signature is not None:
+            graph = self.graphs.key(num_rows, meta.decode_block_tables.shape[1], self._flags)
+        return PreparedStep(meta, num_rows, num_logits, self._flags, signature, graph)
+
+    def _run(self, plan: StepPlan, prepared: PreparedStep) -> None:
+        """The model and sampler: tokens and logprobs land in the workspace's out buffers."""
+        if prepared.graph is not None:
+            self.graphs.run(prepared.num_rows, prepared.graph)
+            return
+        if self.graphs is not None:
+            self.graphs.invalidate()  # this step's uploads may have overwritten the padding rows
+        self._forward(plan.num_tokens, prepared.meta, prepared.num_logits, prepared.num_rows, prepared.flags)
+
+    def _finish(self, plan: StepPlan, prepared: PreparedStep) -> StepResult:
+        """Read the sampled rows back; a pure decode's signature lets the next step reuse its inputs."""
+        n = prepared.num_rows
+        result = StepResult(
+            self.ws.view("out_tokens", n).tolist(), self.ws.view("out_logprobs", n).tolist(), plan.version
+        )
+        if prepared.signature is not None:
+            self.cache.remember(prepared.signature)
         else:
             self.cache.invalidate()
         return result
@@ -94,7 +128,15 @@ class Stepper:
         if self.graphs is not None:
             self.graphs.invalidate()
 
-    def _forward(self, num_tokens: int, meta: AttentionMetadata, num_logits: int, num_rows: int, flags) -> None:
+    def _copy_pages(self, page_copies: list[tuple[int, int]]) -> None:
+        if page_copies:
+            src, dst = zip(*page_copies, strict=True)
+            dev = self.kv.k.device
+            self.kv.copy_pages(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+
+    def _forward(
+        self, num_tokens: int, meta: AttentionMetadata, num_logits: int, num_rows: int, flags: SamplerFlags
+    ) -> None:
         """Model and sampler over the workspace's first rows; tokens and logprobs land in its out buffers."""
         ws = self.ws
         ids, positions = ws.view("input_ids", num_tokens), ws.view("positions", num_tokens)
@@ -184,10 +226,8 @@ class Stepper:
             decode_kernel=self.decode_kernel,
         )
 
-    def _sampling_batch(self, n: int, flags: tuple[bool, bool, bool]) -> SamplingBatch:
-        any_filter, any_greedy, all_greedy = flags
-        views = {name: self.ws.view(name, n) for name in _SAMPLING}
-        return SamplingBatch(**views, any_filter=any_filter, any_greedy=any_greedy, all_greedy=all_greedy)
+    def _sampling_batch(self, n: int, flags: SamplerFlags) -> SamplingBatch:
+        return SamplingBatch(**{name: self.ws.view(name, n) for name in _SAMPLING}, flags=flags)
 
 
 def _is_pure_decode(chunks: list[ScheduledChunk]) -> bool:
@@ -205,9 +245,3 @@ def _sampling_values(seqs: list[Sequence]) -> dict[str, list]:
         "sample_index": [s.sample_index for s in seqs],
         "mode": [MODE_CODES[p.logprobs_mode] for p in params],
     }
-
-
-def _flags(seqs: list[Sequence]) -> tuple[bool, bool, bool]:
-    params = [s.request.params for s in seqs]
-    greedy = [p.is_greedy for p in params]
-    return any(p.has_filters for p in params), any(greedy), all(greedy)

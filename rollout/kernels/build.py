@@ -9,12 +9,12 @@
 - `sample_rows`: sampling and logprobs, three passes over each row of logits
   instead of about a dozen ops; with top-k, top-p or min-p, a sort of the
   candidates that can be kept instead of the whole vocabulary;
-  `counter_uniform` draws its per-row uniforms, as `rollout.sampler` defines them.
+  `counter_uniform` draws its per-row uniforms, as `rollout.engine.sampler` defines them.
 
 The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`)
 against the installed torch into one shared library named by a hash of the
 sources, the flags and the torch version, so a changed source or torch builds
-anew and an unchanged one loads in milliseconds. Libraries live in
+anew and an unchanged one loads without compiling. Libraries live in
 `$ROLLOUT_KERNEL_DIR`, else `$XDG_CACHE_HOME/rollout-engine/kernels` (default
 `~/.cache/...`). A file lock lets several processes (the actors of one node)
 ask at once: one compiles, the others wait and load its library.

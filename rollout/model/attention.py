@@ -103,8 +103,8 @@ def _prefill(q, layer: int, kv: KVPool, span: PrefillSpan, mask, scale: float) -
     k, v = k[: span.context_len], v[: span.context_len]
     groups = q.shape[1] // kv.num_kv_heads
     if groups > 1:
-        # Measured on CPU: with enable_gqa SDPA falls back to its math kernel
-        # (4x slower at 1024 tokens); repeated heads keep the flash kernel.
+        # On the CPU, SDPA with enable_gqa falls back to its math kernel, which
+        # is far slower on long prompts; repeated heads keep the flash kernel.
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     # 4-D inputs (a batch of one) select the flash kernel; 3-D ones do not.
     o = F.scaled_dot_product_attention(

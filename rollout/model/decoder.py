@@ -1,15 +1,13 @@
 """The Llama-family decoder (llama, qwen2, qwen3, mistral) on paged KV.
 
 q/k/v and gate/up projections are fused into one matrix each; `weight_slots`
-maps every checkpoint tensor name onto its rows of a fused parameter, which
-the loader and weight updates both use.
+(`weight_slots.py`) maps every checkpoint tensor name onto its rows of a
+fused parameter. The GEMM backends and packed weights are in `linear.py`.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,107 +17,9 @@ from workspace import KVPool
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
+from .linear import SKINNY_MAX_ROWS, PackedWeights, pick_linear
 from .rope import RotaryTable
-
-
-@dataclass(frozen=True, slots=True)
-class WeightSlot:
-    """Where one checkpoint tensor lives: rows `[start, start + rows)` of `param`."""
-
-    param_name: str  # name of the (possibly fused) live parameter
-    param: torch.Tensor  # the live parameter
-    start: int  # first row along dim 0
-    rows: int  # number of rows along dim 0
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.rows, *self.param.shape[1:])
-
-    def view(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
-        """This slot's rows of `tensor` (default: the live parameter)."""
-        target = self.param if tensor is None else tensor
-        return target.narrow(0, self.start, self.rows)
-
-
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` through oneDNN's matmul (the op torch's own compiler emits for CPU linears)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-# Steps of at most this many rows project with the compiled `skinny_linear`
-# (`csrc/skinny_linear.cpp`, which takes no more): with one or two rows a
-# projection is a pass over its weight, which that kernel streams 1.2-2.5x
-# faster than oneDNN. Batch-1 latency and the last sequences of a batch run there.
-SKINNY_MAX_ROWS = 2
-
-
-def pick_linear(in_features: int) -> tuple[str, Callable]:
-    """oneDNN's matmul when this torch has it and it computes a linear, else
-    torch's BLAS (`F.linear`, MKL on x86).
-
-    MKL takes its AVX2 code on AMD processors; oneDNN uses AVX-512 there. On
-    the 2-core EPYC this was written on, oneDNN ran the bench-25m projections
-    at 370-440 GFLOP/s against MKL's 150-185. The choice follows the build,
-    not a timing, so every engine of a cluster computes the same logprobs;
-    the check uses its own generator and leaves torch's global one alone.
-    """
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(8, in_features, generator=g), torch.randn(64, in_features, generator=g)
-    try:
-        works = torch.allclose(onednn_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
-    except (AttributeError, RuntimeError):  # a build without oneDNN
-        works = False
-    return ("onednn", onednn_linear) if works else ("blas", F.linear)
-
-
-class PackedWeights:
-    """oneDNN's blocked copies of the projection weights, kept in step with the live ones.
-
-    oneDNN reorders a plain weight on every call; packed once, the bench-25m
-    projections ran 7-29% faster (alternating runs, one process). A commit
-    marks the copies of the weights it replaced stale (`changed`: no memory
-    is freed under the guard); the forward uses those plain weights and
-    repacks at most `per_step` of them per step (enough to catch up within 32
-    steps), so a push adds no packing to its own latency or to the commit's
-    pause. Packed and plain weights agree to float32 rounding (about 5e-7 in
-    a logprob), not bit for bit. Commits and steps both run under
-    the engine's guard, so a copy is never read while its weight changes.
-    Costs one more copy of the projection weights and the LM head (with
-    Qwen2.5-0.5B's vocabulary the head alone is 544 MB in float32; packed, its
-    GEMM at 64 rows took 119 ms against 134 plain).
-    """
-
-    def __init__(self, params: dict[str, nn.Parameter]) -> None:
-        self._params = params  # name -> live parameter; commits rebind its data
-        self._packed: dict[str, torch.Tensor] = {}  # name -> blocked copy of the parameter's data
-        self._stale: set[str] = set(params)  # copies that no longer match their parameter (or are missing)
-        self.per_step = max(1, -(-len(params) // 32))
-
-    def pack_all(self) -> None:
-        for name in list(self._stale):
-            self._repack(name)
-
-    def changed(self, names=None) -> None:
-        """The weights `names` (all when None) have new values: their copies are stale."""
-        self._stale.update(self._params if names is None else (n for n in names if n in self._params))
-
-    def start_step(self) -> None:
-        """Repack up to `per_step` stale copies, in parameter order, whichever GEMMs the step runs."""
-        if self._stale:
-            for name in [n for n in self._params if n in self._stale][: self.per_step]:
-                self._repack(name)
-
-    def weight(self, name: str) -> torch.Tensor:
-        """The packed copy of `name` when current, else the plain weight."""
-        return self._params[name] if name in self._stale else self._packed[name]
-
-    def _repack(self, name: str) -> None:
-        self._packed[name] = torch.ops.mkldnn._reorder_linear_weight(self._params[name].detach(), None)
-        self._stale.discard(name)
-
-    @property
-    def num_current(self) -> int:
-        return len(self._params) - len(self._stale)
+from .weight_slots import WeightSlot, weight_slots
 
 
 def _empty(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -322,41 +222,5 @@ class Model(nn.Module):
         return self._project(act, *down_proj)
 
     def weight_slots(self) -> dict[str, WeightSlot]:
-        """Checkpoint (Hugging Face) tensor name -> where it lives here.
-
-        With tied embeddings `lm_head.weight` maps onto the embedding too,
-        so a full `state_dict()` of the reference model is accepted.
-        """
-        cfg = self.cfg
-        slots: dict[str, WeightSlot] = {}
-
-        def add(name: str, pname: str, param, start: int = 0, rows: int | None = None) -> None:
-            slots[name] = WeightSlot(pname, param, start, param.shape[0] if rows is None else rows)
-
-        add("model.embed_tokens.weight", "embed", self.embed)
-        add("model.norm.weight", "norm", self.norm)
-        add(
-            "lm_head.weight",
-            "embed" if self.lm_head is None else "lm_head",
-            self.embed if self.lm_head is None else self.lm_head,
-        )
-        qkv_rows = {"q": (0, cfg.q_size), "k": (cfg.q_size, cfg.kv_size), "v": (cfg.q_size + cfg.kv_size, cfg.kv_size)}
-        for i, layer in enumerate(self.layers):
-            p, lp = f"model.layers.{i}.", f"layers.{i}."
-            add(p + "input_layernorm.weight", lp + "input_norm", layer.input_norm)
-            add(p + "post_attention_layernorm.weight", lp + "post_norm", layer.post_norm)
-            add(p + "self_attn.o_proj.weight", lp + "o_proj", layer.o_proj)
-            add(p + "mlp.down_proj.weight", lp + "down", layer.down)
-            if layer.o_bias is not None:
-                add(p + "self_attn.o_proj.bias", lp + "o_bias", layer.o_bias)
-            for proj, (start, rows) in qkv_rows.items():
-                add(p + f"self_attn.{proj}_proj.weight", lp + "qkv", layer.qkv, start, rows)
-                if layer.qkv_bias is not None:
-                    add(p + f"self_attn.{proj}_proj.bias", lp + "qkv_bias", layer.qkv_bias, start, rows)
-            if layer.q_norm is not None:
-                add(p + "self_attn.q_norm.weight", lp + "q_norm", layer.q_norm)
-                add(p + "self_attn.k_norm.weight", lp + "k_norm", layer.k_norm)
-            inter = cfg.intermediate_size
-            add(p + "mlp.gate_proj.weight", lp + "gate_up", layer.gate_up, 0, inter)
-            add(p + "mlp.up_proj.weight", lp + "gate_up", layer.gate_up, inter, inter)
-        return slots
+        """Checkpoint tensor name -> where it lives here (see `weight_slots.py`)."""
+        return weight_slots(self)

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .decoder import Model, WeightSlot
+from .decoder import Model
+from .weight_slots import WeightSlot
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Non-persistent buffers some older checkpoints carry; recomputed here.

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
 
-from examples.grpo_demo.trainer import DemoConfig, rewards, run
+from examples.grpo_demo.task import make_task_model, prompts, rewards
+from examples.grpo_demo.trainer import DemoConfig, run
 
 
 def test_demo_smoke_run(ray_session, tmp_path, monkeypatch):
@@ -45,6 +47,16 @@ def test_reward_is_the_fraction_of_successor_tokens():
         response_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
 
     assert rewards(["4>", "9>"], Batch()).tolist() == pytest.approx([0.75, 0.75])
+
+
+def test_task_checkpoint_and_tokenizer(tmp_path):
+    model = make_task_model(tmp_path, seed=0)
+    assert model.config.vocab_size == 16 and not model.config.tie_word_embeddings
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.encode("4>").ids == [1, 7, 13]  # <s>, "4" (3 specials + 4), ">" (3 specials + 10)
+    assert all(len(p) == 2 and p[0].isdigit() and p[1] == ">" for p in prompts(random.Random(0), 20))
 
 
 def test_config_is_validated():

@@ -10,7 +10,7 @@ from rollout import INFLIGHT_MODES, RolloutCluster, RolloutOutput, Sample, Sampl
 from scripts.soak_harness import SOAK_CLUSTER, check_output, growth, soak
 from scripts.synthetic import qwen2_config, random_state
 
-CFG = qwen2_config(vocab=96, hidden=64, intermediate=112, layers=2, heads=4, kv_heads=2, max_positions=256)
+CFG = qwen2_config("test-tiny")  # the shape of the `qwen2` test checkpoint
 
 
 def test_short_soak(ray_session, qwen2):

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workspace import DecodeCache, DecodeCacheMismatch, DecodeRows, InferenceWorkspace, WorkspaceShape
+from workspace import DecodeCache, DecodeCacheMismatch, DecodeRows, InferenceWorkspace, TaskSignature, WorkspaceShape
 from workspace.decode_cache import ADVANCED, REUSED
 
 MAX_ROWS = 8
@@ -82,15 +82,15 @@ def test_fast_path_always_produces_host_inputs(actions, seed):
             for name in (*REUSED, *ADVANCED, "input_ids"):
                 ws.buffer(name).fill_(7)
             cache.invalidate()
-        signature = (version, tuple(s.seq_id for s in batch))
-        cache.prepare(signature, len(batch), lambda: host_rows(batch))
+        signature = TaskSignature(version, tuple(s.seq_id for s in batch))
+        cache.prepare(signature, lambda: host_rows(batch))
         assert_inputs_equal(ws, host_rows(batch))
         # The sampler writes this step's tokens; the host records them.
         sampled = [rng.randint(0, 999) for _ in batch]
         ws.view("out_tokens", len(batch)).copy_(torch.tensor(sampled))
         for s, token in zip(batch, sampled, strict=True):
             s.last_token, s.position, s.rng_pos = token, s.position + 1, s.rng_pos + 1
-        cache.remember(signature, len(batch))
+        cache.remember(signature)
 
 
 def test_steady_state_hits_and_membership_change_misses():
@@ -100,13 +100,15 @@ def test_steady_state_hits_and_membership_change_misses():
     ws = InferenceWorkspace(WorkspaceShape(16, 4, 2), "cpu")
     cache = DecodeCache(ws)
     batch = [Seq(i, rng) for i in range(3)]
-    signature = (0, (0, 1, 2))
-    assert not cache.prepare(signature, 3, lambda: host_rows(batch))
-    cache.remember(signature, 3)
-    assert cache.prepare(signature, 3, lambda: pytest.fail("host path built on a hit"))
-    cache.remember(signature, 3)
-    assert not cache.prepare((0, (0, 1, 3)), 3, lambda: host_rows(batch))
-    assert (cache.hits, cache.misses) == (1, 2)
+    signature = TaskSignature(0, (0, 1, 2))
+    assert not cache.prepare(signature, lambda: host_rows(batch))
+    cache.remember(signature)
+    assert cache.prepare(TaskSignature(0, (0, 1, 2)), lambda: pytest.fail("host path built on a hit"))
+    cache.remember(signature)
+    assert not cache.prepare(TaskSignature(0, (0, 1, 3)), lambda: host_rows(batch))
+    cache.remember(signature)
+    assert not cache.prepare(TaskSignature(1, (0, 1, 2)), lambda: host_rows(batch))  # a new policy version
+    assert (cache.hits, cache.misses) == (1, 3)
 
 
 def test_debug_switch_catches_a_divergent_fast_path():
@@ -116,15 +118,15 @@ def test_debug_switch_catches_a_divergent_fast_path():
     ws = InferenceWorkspace(WorkspaceShape(16, 4, 2), "cpu")
     cache = DecodeCache(ws, debug=True)
     batch = [Seq(i, rng) for i in range(2)]
-    signature = (0, (0, 1))
-    cache.prepare(signature, 2, lambda: host_rows(batch))
+    signature = TaskSignature(0, (0, 1))
+    cache.prepare(signature, lambda: host_rows(batch))
     ws.view("out_tokens", 2).copy_(torch.tensor([5, 6]))
-    cache.remember(signature, 2)
+    cache.remember(signature)
     for s, token in zip(batch, [5, 6], strict=True):
         s.last_token, s.position, s.rng_pos = token, s.position + 1, s.rng_pos + 1
-    cache.prepare(signature, 2, lambda: host_rows(batch))  # agrees: no error
+    cache.prepare(signature, lambda: host_rows(batch))  # agrees: no error
     ws.view("out_tokens", 2).copy_(torch.tensor([8, 9]))
-    cache.remember(signature, 2)
+    cache.remember(signature)
     batch[1].last_token = 10  # the host saw another token than the device sampled
     with pytest.raises(DecodeCacheMismatch, match="input_ids"):
-        cache.prepare(signature, 2, lambda: host_rows(batch))
+        cache.prepare(signature, lambda: host_rows(batch))

@@ -5,9 +5,9 @@
 // op makes the same calls in the same order from C++: the GEMMs through
 // oneDNN's linear (the op `onednn_linear` calls), or with `skinny` (steps of
 // at most two rows, on plain weights) through skinny_linear, the rest straight
-// into this library's kernels. Its results equal the Python loop's bit for bit. On
-// bench-25m it gave 2% more tokens/s (medians of 8 alternating runs in one
-// process: 2560 against 2508).
+// into this library's kernels. Its results equal the Python loop's bit for bit;
+// what it saves is the interpreter's time between the calls, which at decode
+// batch sizes is a visible share of a step.
 //
 // Layout of the lists, for L layers: `weights` holds qkv, o, gate_up, down
 // per layer (packed or plain, as the caller chooses), `biases` qkv and o per

@@ -8,7 +8,7 @@
 // match the torch path bit for bit; RMSNorm (summation order) and SiLU (its
 // exp) differ from it by float32 rounding.
 //
-// Built with paged_attention.cpp into one library by rollout/cpu_kernels.py.
+// Built with the other kernels into one library by rollout/kernels/build.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -18,7 +18,7 @@ void rope_and_cache_(at::Tensor q, const at::Tensor& k, const at::Tensor& v, con
                      const at::Tensor& slots);
 void silu_mul(const at::Tensor& gate_up, at::Tensor out);
 
-// Rows that skinny_linear takes at most (rollout.model.SKINNY_MAX_ROWS, the same number).
+// Rows that skinny_linear takes at most (rollout.model.linear.SKINNY_MAX_ROWS, the same number).
 constexpr int64_t kSkinnyMaxRows = 2;
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 

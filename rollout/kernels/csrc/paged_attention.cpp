@@ -18,20 +18,14 @@
 // keep their accumulators in registers while its values stream past. The
 // first query head's pass prefetches the item's whole key and value records,
 // so the later heads and pass 2 read from cache while an item's records fit
-// in it (1 KB of keys and 1 KB of values per token at bench-25m's shapes: a
-// few hundred tokens in a 1 MB L2).
+// in it (with 4 KV heads of 64 floats, 1 KB of keys and 1 KB of values per
+// token: a few hundred tokens in a 1 MB L2).
 //
-// Measured on bench-25m shapes (8 query / 4 KV heads, head_dim 64, 2 threads,
-// KV from DRAM, pages scattered, medians of 15 interleaved runs of 8 layers,
-// two runs): the intrinsics loop takes 8-19% less time than the portable one
-// at 128 rows of 64-100 tokens (693-1350 us per layer), 2-8% less at 40-64
-// rows of 130-150, 30% less at 4 rows; with the KV in cache, 40-50% less. On
-// bench-25m as a whole, 1.05x tokens/s (median of 10 paired rounds in one
-// process; single pairs 0.93-1.15). index_select + SDPA over the same pages
-// took 2.5-4.5 ms at 63 rows of 113 tokens, where the portable loop took
-// 0.5-0.6.
+// The intrinsics loop beats the portable one at every batch shape, most of all
+// with few rows or with the KV in cache; both beat the gather path, which
+// copies every page before SDPA reads it (figures in docs/benchmarks.md).
 //
-// Built at first use by rollout/cpu_kernels.py and registered as
+// Built at first use by rollout/kernels/build.py and registered as
 // torch.ops.rollout.paged_decode.
 
 #include <ATen/ATen.h>
@@ -163,9 +157,8 @@ void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     }
 
     // Pass 1: every query head of the item against every key. Each token's values are
-    // prefetched meanwhile for pass 2, so two streams are in flight: 1-8% faster in the median
-    // and 11-22% at the best of 120 calls (bench-25m shapes, KV from DRAM, pages strided or
-    // scattered as a busy pool leaves them).
+    // prefetched meanwhile for pass 2, so two streams are in flight: that hides part of the
+    // DRAM latency when KV pages lie strided or scattered, as a busy pool leaves them.
     for (int64_t i = 0; i < count; ++i) {
       const scalar_t* key = k_data + offsets[i];
       for (int64_t o = 0; o < block_values; o += line_values) __builtin_prefetch(v_data + offsets[i] + o, 0, 2);

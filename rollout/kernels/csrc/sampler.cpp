@@ -1,12 +1,11 @@
 // Sampling from float32 logits on the CPU: the fused form of
-// rollout/sampler.py's `sample`.
+// rollout/engine/sampler.py's `sample`.
 //
 // Without filters the torch path runs about a dozen full passes over
 // [rows, vocab] (a division, softmax, cumsum, two logsumexps, gathers), each
-// a separate op with its own temporaries; at a 152k vocabulary that took
-// 49-118 ms per decode step of 64 rows on 2 cores, about as long as the LM
-// head's GEMM, and this op 7-9 ms. Here a row is read three times (max; exp
-// and block sums; the walk inside one block) while it stays in cache. With
+// a separate op with its own temporaries; at a large vocabulary that costs
+// about as much as the LM head's GEMM. Here a row is read three times (max;
+// exp and block sums; the walk inside one block) while it stays in cache. With
 // top-k, top-p or min-p the torch path sorts the whole vocabulary; here only
 // the candidates that can be kept are sorted (see filtered_row).
 //
@@ -24,7 +23,7 @@
 // the lower token id first, as a stable sort does; the torch path's sort is
 // not stable. A token of zero probability is never drawn.
 //
-// Built with the other kernels into one library by rollout/cpu_kernels.py.
+// Built with the other kernels into one library by rollout/kernels/build.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -73,10 +72,10 @@ struct Scratch {
 };
 
 // A key whose ascending order is s descending (+0 before -0), then token id ascending: the
-// float's bits made monotone as unsigned, inverted, above the id. Sorting these plain
-// integers ran about 1.5x faster than an indirect comparator over s where most of a row is
-// a candidate (top_k near the vocabulary, top_p 0.999999, a flat row): there the op still
-// takes 1.1-2x the torch path's time, as both sort about everything.
+// float's bits made monotone as unsigned, inverted, above the id. Plain integers sort faster
+// than an indirect comparator over s, which matters where most of a row is a candidate
+// (top_k near the vocabulary, top_p 0.999999, a flat row): there this op and the torch path
+// both sort about everything, and neither has an edge.
 inline uint64_t sort_key(float s, int64_t id) {
   const uint32_t bits = std::bit_cast<uint32_t>(s);
   const uint32_t ascending = bits & 0x80000000u ? ~bits : bits | 0x80000000u;
@@ -167,17 +166,16 @@ Draw sample_row(const float* x, int64_t n, float temperature, int64_t mode, floa
   return {token, logprob_of(x, n, top, token, temperature, mode, total, total)};
 }
 
-// A row with top-k, top-p or min-p, as rollout/sampler.py's `_apply_filters`: in the order
-// of s = x / T, descending (ties: lower token id first), the kept tokens are the longest
+// A row with top-k, top-p or min-p, as rollout/engine/sampler.py's `_apply_filters`: in the
+// order of s = x / T, descending (ties: lower token id first), the kept tokens are the longest
 // prefix of at most top_k tokens (at least one) in which every token has less than top_p of
 // the top-k set's mass before it and a probability at least min_p times the top one's. The
 // token is then drawn from the kept ones in vocabulary order, as on the unfiltered path.
 //
-// Sorting the whole vocabulary is what makes the torch path slow (600-700 ms per step of
-// 64 x 151936 on 2 cores). Here only candidates are sorted: the tokens above the first
-// depth below the top at which one filter is sure to end (top-k: k tokens above it; top-p:
-// their mass reaches top_p of the whole; min-p: it lies below log(min_p)), found with a
-// histogram of depths; every token when none ends sooner.
+// Sorting the whole vocabulary is what makes the torch path slow. Here only candidates are
+// sorted: the tokens above the first depth below the top at which one filter is sure to end
+// (top-k: k tokens above it; top-p: their mass reaches top_p of the whole; min-p: it lies
+// below log(min_p)), found with a histogram of depths; every token when none ends sooner.
 Draw filtered_row(const float* x, int64_t n, float temperature, Filters f, int64_t mode, float u, Scratch& scratch) {
   float* s = scratch.values.data();
   const float top = row_max(x, n);
@@ -270,15 +268,15 @@ void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, i
               t.sizes());
 }
 
-// PCG-RXS-M-XS on 32 bits: rollout/sampler.py's _mix32, whose int64 ops wrap like these.
+// PCG-RXS-M-XS on 32 bits: rollout/engine/sampler.py's _mix32, whose int64 ops wrap like these.
 inline uint32_t mix32(uint32_t x) {
   const uint32_t state = x * 747796405u + 2891336453u;
   const uint32_t word = ((state >> ((state >> 28) + 4)) ^ state) * 277803737u;
   return (word >> 22) ^ word;
 }
 
-// rollout/sampler.py's counter_uniform, bit for bit, into out [R] float32: one op instead
-// of about 45 small ones per step (the hash of int64 seed, stream and counter per row).
+// rollout/engine/sampler.py's counter_uniform, bit for bit, into out [R] float32: one op
+// instead of about 45 small ones per step (the hash of int64 seed, stream and counter per row).
 void counter_uniform(const at::Tensor& seed, const at::Tensor& stream, const at::Tensor& counter, at::Tensor out) {
   const int64_t rows = out.numel();
   check_vector(seed, "seed", at::kLong, rows);

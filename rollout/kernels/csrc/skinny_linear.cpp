@@ -1,9 +1,9 @@
 // x @ w.T (+ bias) for one or two rows of x, float32 on the CPU.
 //
-// With so few rows a projection is a pass over its weight: oneDNN streams the
-// weight at 18-24 GB/s there (the weight cycled out of cache, as in a decode
-// step), this kernel at 25-57 GB/s (1.2-2.5x faster at bench-25m's and
-// Qwen2.5-0.5B's shapes). It reads each weight row once, in plain [N, K]
+// With so few rows a projection is a pass over its weight, so its speed is how
+// fast the weight streams (cycled out of cache, as in a decode step), and this
+// kernel streams it faster than oneDNN does at these row counts (figures in
+// docs/benchmarks.md). It reads each weight row once, in plain [N, K]
 // layout, and multiplies it with every row of x, which stays in L1. At three
 // rows and more oneDNN is faster, so `Model` sends only steps of at most
 // SKINNY_MAX_ROWS rows here (batch-1 latency, and the last sequences of a

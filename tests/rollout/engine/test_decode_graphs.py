@@ -11,6 +11,7 @@ import torch
 
 from rollout import Engine, SamplingParams
 from rollout.engine.decode_graphs import DecodeGraphs, GraphKey, bucket_for, buckets, resolve_mode
+from rollout.engine.sampler import SamplerFlags
 from tests.conftest import make_engine
 from tests.factories import hf_logprobs
 from workspace import InferenceWorkspace, WorkspaceShape
@@ -52,10 +53,11 @@ def test_padding_rows_write_only_to_the_scratch_page():
         ws.buffer(name).fill_(7)
     ws.buffer("block_tables").fill_(5)
     graphs = DecodeGraphs("eager", ws, lambda key: None, scratch_page=30, page_size=16)
-    key = graphs.key(3, 2, (False, False, False))
-    assert key == GraphKey(4, 2, (False, False, False))
-    assert graphs.key(3, 3, (True, False, False)) == GraphKey(4, 4, (True, False, False))
-    assert graphs.key(9, 1, (False, False, False)) is None  # beyond max_rows: the eager path serves it
+    plain, filtered = SamplerFlags(False, False, False), SamplerFlags(True, False, False)
+    key = graphs.key(3, 2, plain)
+    assert key == GraphKey(4, 2, plain) and hash(key) == hash(GraphKey(4, 2, SamplerFlags(False, False, False)))
+    assert graphs.key(3, 3, filtered) == GraphKey(4, 4, filtered) != GraphKey(4, 4, plain)
+    assert graphs.key(9, 1, plain) is None  # beyond max_rows: the eager path serves it
     graphs.run(3, key)
     assert ws.buffer("slot_mapping")[3:4].tolist() == [30 * 16]
     assert ws.buffer("context_lens")[3:4].tolist() == [1]

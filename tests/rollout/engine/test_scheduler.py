@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from rollout.engine.kv_manager import KVManager
 from rollout.engine.plan import StepResult
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Request, SeqStatus, Sequence
+from rollout.outputs import FINISH_REASONS
 from rollout.sampling_params import SamplingParams
 from workspace import PageAllocator
 
@@ -114,3 +117,16 @@ def test_batch_size_counts_pending_forks():
     sched.add(b)
     plan = sched.schedule(version=0)
     assert [c.seq for c in plan.chunks] == [a.samples[0]]  # 3 + 2 > 4: b waits
+
+
+def test_finish_takes_only_the_reasons_a_sample_can_report():
+    sched = make_scheduler(num_pages=8)
+    req = make_request([1, 2, 3])
+    sched.add(req)
+    run_step(sched)
+    (seq,) = req.samples
+    with pytest.raises(ValueError, match="finish reason must be one of"):
+        sched.finish(seq, "timeout")
+    assert not seq.is_finished and sched.running == [seq]  # refused before anything changed
+    sched.finish(seq, "abort")
+    assert seq.finish_reason in FINISH_REASONS and req.to_output(None).samples[0].finish_reason == "abort"

@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.engine.config import _kernels
+from rollout.engine.config import EngineConfig, check_kernels
 from rollout.kernels import build as cpu_kernels
+from rollout.kernels import load_kernels
 from rollout.kernels.build import KernelUnavailable, cpu_ops
-from rollout.model.config import RopeConfig
-from rollout.model.decoder import SKINNY_MAX_ROWS, onednn_linear, pick_linear, rms_norm
+from rollout.model.config import ModelConfig, RopeConfig
+from rollout.model.decoder import rms_norm
+from rollout.model.linear import SKINNY_MAX_ROWS, onednn_linear, pick_linear
 from rollout.model.rope import RotaryTable
 from tests.conftest import make_engine
 from tests.factories import FAMILIES, hf_logprobs
@@ -238,15 +240,37 @@ def test_without_a_compiler_auto_falls_back_and_compiled_refuses(qwen2, tmp_path
 
 
 def test_kernel_choice_per_device():
-    assert _kernels("auto", torch.device("cuda")) == "torch"
-    assert _kernels("torch", torch.device("cpu")) == "torch"
-    assert _kernels("auto", torch.device("cpu")) == "compiled"  # this machine compiles them
+    assert check_kernels("auto", torch.device("cuda")) == "torch"
+    assert check_kernels("torch", torch.device("cpu")) == "torch"
+    assert check_kernels("auto", torch.device("cpu")) == "auto"  # decided when the engine loads them
+    assert check_kernels("compiled", torch.device("cpu")) == "compiled"
     with pytest.raises(ValueError, match="needs device 'cpu'"):
-        _kernels("compiled", torch.device("cuda"))
+        check_kernels("compiled", torch.device("cuda"))
     with pytest.raises(ValueError, match=r"one of \('auto', 'compiled', 'torch'\)"):
-        _kernels("fast", torch.device("cpu"))
+        check_kernels("fast", torch.device("cpu"))
     with pytest.raises(TypeError, match="kernels must be a str"):
-        _kernels(None, torch.device("cpu"))
+        check_kernels(None, torch.device("cpu"))
+    assert load_kernels("torch") is None
+    assert load_kernels("auto") is cpu_ops() is load_kernels("compiled")  # this machine compiles them
+
+
+def test_resolving_a_config_compiles_nothing(qwen2, tmp_path, monkeypatch):
+    """Validation is pure: with no compiler and nothing built, "compiled" still
+    resolves; only loading the kernels (as the engine does next) fails."""
+    monkeypatch.setenv("ROLLOUT_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    sizes = dict(max_batch_size=4, max_seq_len=64, kv_cache_tokens=256, seed=0, page_size=16, max_step_tokens=None)
+    mc = ModelConfig.from_dir(qwen2.path)
+    for kernels in ("auto", "compiled"):
+        assert EngineConfig.resolve(mc, device="cpu", dtype="float32", kernels=kernels, **sizes).kernels == kernels
+    with pytest.raises(ValueError, match="page_size"):  # a bad argument raises before any build is tried
+        make_engine(qwen2.path, kernels="compiled", page_size=0)
+    assert cpu_kernels._loaded == {} and list(tmp_path.iterdir()) == []
+    with pytest.raises(KernelUnavailable, match="no-such-compiler"):
+        load_kernels("compiled")
+    with pytest.warns(RuntimeWarning, match="falls back to kernels='torch'"):
+        assert load_kernels("auto") is None
 
 
 @pytest.mark.parametrize("family", FAMILIES)  # qwen3: q/k norms; mistral: sliding window, head_dim 32

@@ -47,7 +47,7 @@ _SPEC: dict[str, tuple[torch.dtype, str]] = {
     "seed": (torch.int64, "rows"),
     "sample_index": (torch.int64, "rows"),  # which of the request's n samples
     "rng_pos": (torch.int64, "rows"),  # index of the output token being sampled
-    "mode": (torch.int64, "rows"),  # logprobs mode code, see rollout.sampler
+    "mode": (torch.int64, "rows"),  # logprobs mode code, see rollout.engine.sampler
     "out_tokens": (torch.int64, "rows"),
     "out_logprobs": (torch.float32, "rows"),
 }

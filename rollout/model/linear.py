@@ -1,0 +1,91 @@
+"""The projections' GEMM backends on the CPU: oneDNN's matmul (`onednn_linear`)
+or torch's BLAS, chosen once per build (`pick_linear`); oneDNN's blocked
+copies of the weights (`PackedWeights`); and the row count up to which the
+compiled `skinny_linear` takes a projection instead (`SKINNY_MAX_ROWS`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Steps of at most this many rows project with the compiled `skinny_linear`
+# (`csrc/skinny_linear.cpp`, which takes no more): with one or two rows a
+# projection is a pass over its weight, which that kernel streams faster than
+# oneDNN; from three rows on oneDNN's blocking wins. Batch-1 latency and the
+# last sequences of a batch run there.
+SKINNY_MAX_ROWS = 2
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` through oneDNN's matmul (the op torch's own compiler emits for CPU linears)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def pick_linear(in_features: int) -> tuple[str, Callable]:
+    """oneDNN's matmul when this torch has it and it computes a linear, else
+    torch's BLAS (`F.linear`, MKL on x86).
+
+    MKL takes its AVX2 code on AMD processors while oneDNN uses AVX-512
+    there, so oneDNN is the faster of the two where both exist (see
+    docs/benchmarks.md). The choice follows the build, not a timing, so every
+    engine of a cluster computes the same logprobs; the check uses its own
+    generator and leaves torch's global one alone.
+    """
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, in_features, generator=g), torch.randn(64, in_features, generator=g)
+    try:
+        works = torch.allclose(onednn_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        works = False
+    return ("onednn", onednn_linear) if works else ("blas", F.linear)
+
+
+class PackedWeights:
+    """oneDNN's blocked copies of the projection weights, kept in step with the live ones.
+
+    oneDNN reorders a plain weight on every call; a copy packed once spares
+    every GEMM that reorder. A commit marks the copies of the weights it
+    replaced stale (`changed`: no memory is freed under the guard); the
+    forward uses those plain weights and repacks at most `per_step` of them
+    per step (enough to catch up within 32 steps), so a push adds no packing
+    to its own latency or to the commit's pause. Packed and plain weights
+    agree to float32 rounding, not bit for bit. Commits and steps both run
+    under the engine's guard, so a copy is never read while its weight
+    changes. Costs one more copy of the projection weights and the LM head,
+    which with a large vocabulary is the biggest of them.
+    """
+
+    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+        self._params = params  # name -> live parameter; commits rebind its data
+        self._packed: dict[str, torch.Tensor] = {}  # name -> blocked copy of the parameter's data
+        self._stale: set[str] = set(params)  # copies that do not match their parameter (or are missing)
+        self.per_step = max(1, -(-len(params) // 32))
+
+    def pack_all(self) -> None:
+        for name in list(self._stale):
+            self._repack(name)
+
+    def changed(self, names=None) -> None:
+        """The weights `names` (all when None) have new values: their copies are stale."""
+        self._stale.update(self._params if names is None else (n for n in names if n in self._params))
+
+    def start_step(self) -> None:
+        """Repack up to `per_step` stale copies, in parameter order, whichever GEMMs the step runs."""
+        if self._stale:
+            for name in [n for n in self._params if n in self._stale][: self.per_step]:
+                self._repack(name)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The packed copy of `name` when current, else the plain weight."""
+        return self._params[name] if name in self._stale else self._packed[name]
+
+    def _repack(self, name: str) -> None:
+        self._packed[name] = torch.ops.mkldnn._reorder_linear_weight(self._params[name].detach(), None)
+        self._stale.discard(name)
+
+    @property
+    def num_current(self) -> int:
+        return len(self._params) - len(self._stale)
