@@ -1,6 +1,6 @@
 """`RolloutWorker`: one engine behind a transport. It is plain Python and
 never imports Ray, so everything it does is testable in-process; the cluster
-turns it into the `@ray.remote` actor (`RolloutActor`), which adds transport
+makes it a Ray actor (`ray_runtime.create_actor`), which adds transport
 only. Each method is a thin call into the engine or the wire format."""
 
 from __future__ import annotations
@@ -21,40 +21,9 @@ from ..engine.requests import PromptLimits
 from ..engine.weight_update import StagedUpdate, all_finite
 from ..outputs import RolloutOutput
 from ..sampling_params import SamplingParams
+from .host import cap_malloc_arenas, lower_thread_priority, resident_bytes, touch_pages
 from .wire import Manifest, TensorEntry
-from .wire_receive import assemble, unpack, unpack_entries, verification_shares, verify_entries
-
-
-def resident_bytes(kind: str = "VmRSS") -> int:
-    """This process's resident memory from /proc/self/status (0 where unavailable).
-
-    `kind`: "VmRSS" (all), "RssAnon" (private memory: what a leak grows),
-    "RssFile" or "RssShmem" (mapped files and shared memory, such as Ray's
-    object store pages the process has read).
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(kind + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def cap_malloc_arenas(arenas: int = 2) -> bool:
-    """Limit glibc to `arenas` malloc arenas in this process.
-
-    An actor serves calls on many threads, and glibc gives threads their own
-    arenas that keep freed memory: measured in a soak, actor memory grew
-    without levelling off; capped, it levels off. A no-op (False) off glibc.
-    """
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").mallopt(-8, arenas) == 1  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        return False
+from .wire_receive import VerifyShare, assemble, unpack, unpack_entries, verification_shares, verify_entries
 
 
 def check_bucket(bucket: np.ndarray, entries: tuple[TensorEntry, ...], checksums: bool = True) -> None:
@@ -65,24 +34,6 @@ def check_bucket(bucket: np.ndarray, entries: tuple[TensorEntry, ...], checksums
     for name, tensor in unpack_entries(bucket, entries).items():
         if tensor.is_floating_point() and not all_finite(tensor):
             raise ValueError(f"state_dict[{name!r}] holds NaN or inf values")
-
-
-def lower_thread_priority(niceness: int = 10) -> None:
-    """Make the calling thread yield the CPU to the process's other threads
-    (Linux: a thread id's own nice value); a no-op where unsupported."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
-    except (AttributeError, OSError):
-        pass
-
-
-def touch_pages(bucket: np.ndarray, page: int = 4096) -> None:
-    """Read one byte per memory page of `bucket`, so the page-table work of
-    a fresh object-store mapping happens here rather than in the first
-    decode step after a commit (seen as a doubled generation pause)."""
-    if bucket.nbytes:
-        int(bucket[::page].max())
 
 
 def _checked_share(share) -> tuple[int, int]:
@@ -171,7 +122,7 @@ class RolloutWorker:
             if push_id in self._finished:
                 return 0  # a late bucket of a push that was aborted meanwhile: not worth verifying
         bucket, copied = assemble(segments)
-        self._background.submit(self._receive, bucket, verification_shares(entries, parts)[part], checksums).result()
+        self._verify_share(bucket, entries, part, parts, checksums)
         with self._lock:
             if push_id in self._finished:
                 return bucket.nbytes  # a late bucket of a push that was aborted meanwhile
@@ -181,18 +132,20 @@ class RolloutWorker:
             self._buckets_copied += copied
         return bucket.nbytes
 
+    def _verify_share(self, bucket: np.ndarray, entries, part: int, parts: int, checksums: bool) -> None:
+        """Verify share `part` of `parts` of `bucket` on the low-priority thread."""
+        share = verification_shares(entries, parts)[part]
+        self._background.submit(self._receive, bucket, share, checksums).result()
+
     def _receive(self, bucket: np.ndarray, entries: tuple[TensorEntry, ...], checksums: bool) -> None:
         check_bucket(bucket, entries, checksums)
         if self.engine.config.device.type == "cpu":
             touch_pages(bucket)  # the engine will adopt these bytes: map them now, not in its next step
 
-    def prepare_push(
-        self, push_id: str, manifest: Manifest, verify: tuple[tuple[int, int, int, bool], ...] = ()
-    ) -> int:
+    def prepare_push(self, push_id: str, manifest: Manifest, verify: tuple[VerifyShare, ...] = ()) -> int:
         """Phase one: check the received buckets against the manifest, verify
-        the shares `(bucket, part, parts, checksums)` in `verify` (their
-        verifier died), validate and stage; returns the bytes the commit will
-        install."""
+        the `VerifyShare`s in `verify` (shares whose verifier died), validate
+        and stage; returns the bytes the commit will install."""
         with self._lock:
             incoming = self._incoming.pop(push_id, {})
             self._finished.append(push_id)
@@ -204,11 +157,9 @@ class RolloutWorker:
                 raise ValueError(f"weight push bucket {index} did not arrive intact")
             if entries != manifest.bucket_entries(index):
                 raise ValueError(f"weight push bucket {index} does not match the manifest")
-            for _, part, parts, checksums in (v for v in verify if v[0] == index):
-                part, parts = _checked_share((part, parts))
-                self._background.submit(
-                    self._receive, bucket, verification_shares(entries, parts)[part], checksums
-                ).result()
+            for share in (VerifyShare(*v) for v in verify if v[0] == index):
+                part, parts = _checked_share((share.part, share.parts))
+                self._verify_share(bucket, entries, part, parts, share.checksums)
             buckets.append(bucket)
         staged = self.engine.prepare_weights(unpack(buckets, manifest), adopt=True, verified_finite=True)
         with self._lock:
@@ -222,6 +173,7 @@ class RolloutWorker:
         return self.engine.commit_weights(staged, version, inflight)
 
     def abort_push(self, push_id: str) -> None:
+        """Drop a push: its received buckets, its staged update, and any of its buckets still to come."""
         with self._lock:
             self._finished.append(push_id)
             self._incoming.pop(push_id, None)
@@ -230,6 +182,7 @@ class RolloutWorker:
             self.engine.discard_weights(entry[0])
 
     def health(self) -> dict:
+        """Version, scheduler and KV usage, copied buckets and resident memory of this actor."""
         stats = self.engine.stats()
         return {
             "pid": os.getpid(),
@@ -245,14 +198,18 @@ class RolloutWorker:
         }
 
     def policy_version(self) -> int:
+        """The version of the weights this actor serves."""
         return self.engine.policy_version
 
     def step_log(self, since: float | None = None) -> list:
+        """The engine's recent `StepInfo`s (see `Engine.step_log`)."""
         return self.engine.step_log(since)
 
     def inject_fault(self, method: str, message: str) -> None:
-        """Fault injection for tests and drills: the next call of `method`
-        ("prepare_push" or "generate_stream") raises `ValueError(message)`."""
+        """A test hook, not for production use: the next call of `method`
+        ("prepare_push" or "generate_stream") raises `ValueError(message)`,
+        so tests and failure drills can make one actor reject a push or fail
+        a generation without killing it."""
         if method not in ("prepare_push", "generate_stream"):
             raise ValueError(f"method must be 'prepare_push' or 'generate_stream', got {method!r}")
         with self._lock:

@@ -1,10 +1,12 @@
 """The driver's view of its actors: one `ActorSlot` per actor position, the
-latest published push, and the error a dead actor's calls come back as."""
+calls made to them, the latest published push, and the error a dead actor's
+calls come back as."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .wire import Manifest
 
@@ -24,7 +26,18 @@ class ActorSlot:
 
     @property
     def label(self) -> str:
+        """How errors name the actor."""
         return f"actor {self.index} (pid {self.pid})"
+
+
+class ActorCall(NamedTuple):
+    """One call in flight: its actor slot, the slot's generation when it was
+    made (a failure then is reported against that actor, not its
+    replacement), and the Ray object ref of its result."""
+
+    slot: ActorSlot
+    generation: int
+    ref: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +47,16 @@ class Published:
     manifest: Manifest
     version: int
     refs: tuple  # Ray object refs of the buckets, kept alive here
+
+
+class PushGate:
+    """Orders weight pushes against respawns. A push holds `lock` from its
+    start to its end; a replacement actor is spawned holding it too and
+    loads `latest`, so it can neither miss a push nor join one half-way."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.latest: Published | None = None
 
 
 class ActorGone(RuntimeError):

@@ -39,24 +39,29 @@ def _cluster() -> RolloutCluster:
 
 
 def generate(prompts, params: SamplingParams | None = None, timeout: float | None = None) -> list[RolloutOutput]:
+    """`RolloutCluster.generate` on the default cluster."""
     return _cluster().generate(prompts, params, timeout)
 
 
 def submit(prompts, params: SamplingParams | None = None) -> GenerationHandle:
+    """`RolloutCluster.submit` on the default cluster."""
     return _cluster().submit(prompts, params)
 
 
 def push_weights(
     state_dict: Mapping[str, torch.Tensor], version: int | None = None, inflight: str = "recompute", wait: bool = True
 ) -> int | PushHandle:
+    """`RolloutCluster.push_weights` on the default cluster."""
     return _cluster().push_weights(state_dict, version, inflight, wait)
 
 
 def policy_version() -> int:
+    """`RolloutCluster.policy_version` of the default cluster."""
     return _cluster().policy_version()
 
 
 def health() -> list[dict]:
+    """`RolloutCluster.health` of the default cluster."""
     return _cluster().health()
 
 

@@ -1,33 +1,95 @@
 """Generation on the cluster: prompt groups dispatched to actors, balanced by
 outstanding work; outputs collected as they finish; the groups of an actor
-that dies re-dispatched to live ones, each delivered exactly once."""
+that dies re-dispatched to live ones, each delivered exactly once.
+
+The dispatch never touches Ray: it works through the small `Pool` interface
+(`ActorPool` in the cluster), so its bookkeeping is testable with a fake."""
 
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
-from ..engine.requests import validate_prompts
+from ..engine.requests import PromptLimits, validate_prompts
 from ..outputs import RolloutOutput
 from ..sampling_params import SamplingParams
-from .actor_slots import ActorSlot, unwrap
+from ..tokenizer import TextCodec
+from .actor_slots import ActorGone, ActorSlot, unwrap
 from .handles import GenerationHandle
-from .ray_runtime import GENERATE, ray_module
+
+
+class OutputStream(Protocol):
+    """One actor's outputs for one share of prompts, as they finish."""
+
+    def next(self, timeout: float) -> RolloutOutput | None:
+        """The next output, None if none came within `timeout` s; raises
+        `ActorGone` when the actor died, or the actor's own error."""
+
+
+class Pool(Protocol):
+    """What the dispatch needs of the actors (see `ActorPool`)."""
+
+    cond: threading.Condition  # guards every slot's state and load
+
+    def check_open(self) -> None:
+        """Raise `ClosedError` once the cluster is shut down."""
+
+    def wait_for_live(self) -> list[ActorSlot]:
+        """The alive actors, waiting a bounded time for one; called holding `cond`."""
+
+    def actor_died(self, slot: ActorSlot, generation: int, why: str) -> None:
+        """Report that `slot`'s actor of `generation` died (the pool replaces it)."""
+
+    def open_stream(
+        self, actor: Any, label: str, indices: list[int], prompts: list, params: SamplingParams
+    ) -> OutputStream:
+        """Start generating `prompts` (numbered `indices`) on `actor`."""
+
+
+class _Share(NamedTuple):
+    """The prompts one actor generates for one dispatch."""
+
+    slot: ActorSlot
+    generation: int  # the slot's generation when dispatched: a later death report names this actor
+    actor: Any  # the actor handle, fixed at dispatch time
+    indices: list[int]  # prompt indices, ascending
+
+
+def balance(indices: Sequence[int], prompts: Sequence[list[int]], loads: dict[int, int], cost: int) -> dict[int, list]:
+    """Which actor generates which prompts: `loads` maps each live actor's
+    slot index to its outstanding work, in slot order. A prompt's group of
+    samples never splits (they share KV pages); groups go, longest prompt
+    first, each to the actor with the least work, ties to the first in slot
+    order, and each adds `cost` to it. Returns slot index -> ascending
+    prompt indices."""
+    loads = dict(loads)
+    shares: dict[int, list[int]] = {k: [] for k in loads}
+    for i in sorted(indices, key=lambda i: -len(prompts[i])):
+        target = min(loads, key=loads.__getitem__)
+        shares[target].append(i)
+        loads[target] += cost
+    return {k: sorted(v) for k, v in shares.items()}
 
 
 class GenerationDispatch:
-    """The generation half of `RolloutCluster` (a mixin over its actor state)."""
+    """Generation over a pool of actors: validates prompts, balances groups,
+    collects outputs, re-dispatches the groups of an actor that dies.
 
-    def generate(
-        self, prompts, params: SamplingParams | None = None, timeout: float | None = None
-    ) -> list[RolloutOutput]:
-        """Outputs in prompt order, as `Engine.generate` returns them."""
-        return self.submit(prompts, params).result(timeout)
+    `limits` and `codec` validate prompts as an actor's engine would;
+    `stall_timeout_s` bounds how long an actor may produce no output.
+    """
+
+    def __init__(self, pool: Pool, limits: PromptLimits, codec: TextCodec | None, stall_timeout_s: float) -> None:
+        self._pool = pool
+        self._limits = limits
+        self._codec = codec
+        self._stall_timeout_s = stall_timeout_s
 
     def submit(self, prompts, params: SamplingParams | None = None) -> GenerationHandle:
         """Start generating and return at once; the handle gives `result()` and
         `as_completed()`. Prompts are validated here, before any is dispatched."""
-        self._check_open()
+        self._pool.check_open()
         params = SamplingParams() if params is None else params
         token_lists, texts = validate_prompts(prompts, params, self._limits, self._codec)
         handle = GenerationHandle(texts)
@@ -36,77 +98,54 @@ class GenerationDispatch:
         return handle
 
     def _dispatch(self, handle: GenerationHandle, prompts, params: SamplingParams, indices: list[int]) -> None:
+        """Send the prompts `indices` to the live actors and consume each stream on its own thread."""
         cost = params.n * params.max_tokens
-        with self._cond:
-            live = self._wait_for_live()
-            shares: dict[int, list[int]] = {s.index: [] for s in live}
-            loads = {s.index: s.load for s in live}
-            for i in sorted(indices, key=lambda i: -len(prompts[i])):
-                target = min(live, key=lambda s: loads[s.index])
-                shares[target.index].append(i)
-                loads[target.index] += cost
+        with self._pool.cond:
+            live = self._pool.wait_for_live()
+            chosen = balance(indices, prompts, {s.index: s.load for s in live}, cost)
             for slot in live:
-                slot.load += cost * len(shares[slot.index])
-            work = [(slot, slot.generation, slot.handle, sorted(shares[slot.index])) for slot in live]
-        for slot, generation, actor, share in work:
-            if share:
-                handle._assign(share, slot.label)
-                stream = actor.generate_stream.options(concurrency_group=GENERATE).remote(
-                    share, [prompts[i] for i in share], params
-                )
-                threading.Thread(
-                    target=self._consume,
-                    args=(handle, prompts, params, slot, generation, share, stream),
-                    name=f"rollout-stream-{slot.index}",
-                    daemon=True,
-                ).start()
+                slot.load += cost * len(chosen[slot.index])
+            shares = [_Share(s, s.generation, s.handle, chosen[s.index]) for s in live if chosen[s.index]]
+        for share in shares:
+            handle._assign(share.indices, share.slot.label)
+            stream = self._pool.open_stream(
+                share.actor, share.slot.label, share.indices, [prompts[i] for i in share.indices], params
+            )
+            threading.Thread(
+                target=self._consume,
+                args=(handle, prompts, params, share, stream),
+                name=f"rollout-stream-{share.slot.index}",
+                daemon=True,
+            ).start()
 
-    def _consume(self, handle, prompts, params, slot: ActorSlot, generation: int, share, stream) -> None:
-        ray = ray_module()
-        remaining, cost = set(share), params.n * params.max_tokens
+    def _consume(self, handle: GenerationHandle, prompts, params, share: _Share, stream: OutputStream) -> None:
+        """Deliver one share's outputs; on the actor's death, re-dispatch what it had not delivered."""
+        remaining, cost = set(share.indices), params.n * params.max_tokens
         try:
             while remaining:
-                ready, _ = ray.wait([stream], timeout=self.stall_timeout_s)
-                if not ready:
+                out = stream.next(self._stall_timeout_s)
+                if out is None:
                     raise TimeoutError(
-                        f"{slot.label} produced no output for {self.stall_timeout_s} s while generating "
+                        f"{share.slot.label} produced no output for {self._stall_timeout_s} s while generating "
                         f"prompts {sorted(remaining)[:8]}"
                     )
-                out = ray.get(next(stream))
                 remaining.discard(out.index)
                 handle._deliver(out)
-                self._unload(slot, generation, cost)
-        except ray.exceptions.RayActorError:
-            self._unload(slot, generation, cost * len(remaining))
-            self._actor_died(slot, generation, "died while generating")
-            lost = handle._missing(sorted(remaining))
+                self._unload(share, cost)
+        except ActorGone:
+            self._unload(share, cost * len(remaining))
+            self._pool.actor_died(share.slot, share.generation, "died while generating")
+            lost = handle._missing(sorted(remaining))  # an output already delivered is never generated again
             if lost:
                 try:
                     self._dispatch(handle, prompts, params, lost)
                 except BaseException as e:
                     handle._fail(e)
         except BaseException as e:
-            self._unload(slot, generation, cost * len(remaining))
+            self._unload(share, cost * len(remaining))
             handle._fail(unwrap(e))
 
-    def _unload(self, slot: ActorSlot, generation: int, amount: int) -> None:
-        with self._cond:
-            if slot.generation == generation:
-                slot.load = max(0, slot.load - amount)
-
-    def _wait_for_live(self) -> list[ActorSlot]:
-        """Alive actors (waits for a replacement when none is); call holding `_cond`."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            self._check_open()
-            live = [s for s in self._slots if s.state == "alive"]
-            if live:
-                return live
-            if all(s.state == "dead" for s in self._slots):
-                raise RuntimeError(
-                    "no rollout actor is alive: " + "; ".join(f"{s.label}: {s.error}" for s in self._slots)
-                )
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no rollout actor came back within {self.timeout_s} s")
-            self._cond.wait(left)
+    def _unload(self, share: _Share, amount: int) -> None:
+        with self._pool.cond:
+            if share.slot.generation == share.generation:  # a replacement starts with no load
+                share.slot.load = max(0, share.slot.load - amount)

@@ -62,6 +62,7 @@ class GenerationHandle:
 
     # -- consumer side ---------------------------------------------------------------------
     def done(self) -> bool:
+        """Whether every output arrived or the generation failed."""
         with self._cond:
             return self._remaining == 0 or self._error is not None
 
@@ -116,6 +117,7 @@ class PushHandle:
             self._done.set()
 
     def done(self) -> bool:
+        """Whether the push has committed or failed."""
         return self._done.is_set()
 
     def result(self, timeout: float | None = None) -> int:

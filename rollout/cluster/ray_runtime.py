@@ -8,15 +8,21 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..outputs import RolloutOutput
+from .actor_slots import ActorGone
+
 
 @dataclass(frozen=True, slots=True)
 class Placement:
+    """The resources reserved per actor."""
+
     num_actors: int
     cpus: int  # per actor; torch threads follow it
     gpus: int  # per actor
 
 
 def ray_module():
+    """The `ray` module, imported on first use."""
     try:
         import ray
     except ImportError as e:  # pragma: no cover - ray is a dependency
@@ -127,3 +133,31 @@ def create_actor(worker_cls, pg, index: int, placement: Placement, args: tuple, 
 def control(handle, method: str):
     """`handle.method` bound to the control thread pool."""
     return getattr(handle, method).options(concurrency_group=CONTROL)
+
+
+class ActorStream:
+    """One actor's `generate_stream` call: its outputs as they finish."""
+
+    def __init__(self, refs, label: str) -> None:
+        self._refs = refs  # Ray's generator of object refs, one per output
+        self._label = label
+
+    def next(self, timeout: float) -> RolloutOutput | None:
+        """The next output, or None when none came within `timeout` s.
+        Raises `ActorGone` when the actor died, else the actor's own error."""
+        ray = ray_module()
+        try:
+            ready, _ = ray.wait([self._refs], timeout=timeout)
+            if not ready:
+                return None
+            return ray.get(next(self._refs))
+        except ray.exceptions.RayActorError as e:
+            raise ActorGone(f"{self._label} died while generating: {e}") from e
+        except StopIteration:
+            raise RuntimeError(f"{self._label} ended its output stream early") from None
+
+
+def open_stream(handle, label: str, indices: list[int], prompts: list[list[int]], params) -> ActorStream:
+    """Start `generate_stream` on the actor `handle`, on its generate threads."""
+    refs = handle.generate_stream.options(concurrency_group=GENERATE).remote(indices, prompts, params)
+    return ActorStream(refs, label)

@@ -1,10 +1,11 @@
-"""The receiving side of the weight wire format (see `rollout.wire`): a
-bucket made whole from its segments, verified, and viewed as tensors."""
+"""The receiving side of the weight wire format (see `wire`): a bucket made
+whole from its segments, verified share by share, and viewed as tensors."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,9 +44,21 @@ class _Bucket(np.ndarray):
 
     @classmethod
     def over(cls, view: np.ndarray, segments: list[np.ndarray]) -> _Bucket:
+        """`view` as a bucket that keeps `segments` alive."""
         bucket = view.view(cls)
         bucket.segments = tuple(segments)
         return bucket
+
+
+class VerifyShare(NamedTuple):
+    """The share of one bucket that one actor verifies: share `part` of
+    `verification_shares(bucket entries, parts)`; `checksums` False where
+    the bytes never left the trainer's node (then only NaN/inf are checked)."""
+
+    bucket: int
+    part: int
+    parts: int
+    checksums: bool
 
 
 def verification_shares(entries: Sequence[TensorEntry], parts: int) -> list[tuple[TensorEntry, ...]]:
@@ -62,25 +75,6 @@ def verification_shares(entries: Sequence[TensorEntry], parts: int) -> list[tupl
         shares[lightest].append(e)
         loads[lightest] += e.nbytes
     return [tuple(sorted(share, key=lambda e: e.offset)) for share in shares]
-
-
-def verify(buckets: Sequence[np.ndarray], manifest: Manifest) -> None:
-    """Check bucket sizes and every tensor's checksum; raises `ValueError` naming the first mismatch."""
-    if len(buckets) != len(manifest.bucket_nbytes):
-        raise ValueError(f"weight push has {len(buckets)} buckets, its manifest names {len(manifest.bucket_nbytes)}")
-    for i, bucket in enumerate(buckets):
-        verify_bucket(i, bucket, manifest)
-
-
-def verify_bucket(index: int, bucket: np.ndarray, manifest: Manifest) -> None:
-    """Check one bucket's size and the checksums of the tensors it holds."""
-    if not 0 <= index < len(manifest.bucket_nbytes):
-        raise ValueError(f"weight bucket {index} is not in the manifest ({len(manifest.bucket_nbytes)} buckets)")
-    if bucket.nbytes != manifest.bucket_nbytes[index]:
-        raise ValueError(
-            f"weight bucket {index} has {bucket.nbytes} bytes, its manifest says {manifest.bucket_nbytes[index]}"
-        )
-    verify_entries(bucket, manifest.bucket_entries(index))
 
 
 def verify_entries(bucket: np.ndarray, entries: Sequence[TensorEntry]) -> None:

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from rollout.cluster.actor import RolloutWorker
-from rollout.cluster.wire import BucketPacker, Manifest
-from rollout.cluster.wire_receive import verification_shares
+from rollout.cluster.wire import Manifest
+from rollout.cluster.wire_receive import VerifyShare, verification_shares
+from rollout.cluster.wire_send import BucketPacker
 from tests.factories import _randomize
 
 ENGINE = dict(device="cpu", max_batch_size=8, max_seq_len=128, kv_cache_tokens=1024)
@@ -37,7 +38,7 @@ def test_each_actor_verifies_its_share_and_prepare_verifies_orphans(qwen2):
     for p in packed:  # a node mate verifies the other share of each bucket
         worker.stage_bucket("push", p.index, p.entries, list(p.segments), share=(mine, 2))
     with pytest.raises(ValueError, match=f"{bad}.*NaN"):  # that actor died: this one verifies its share
-        worker.prepare_push("push", manifest, verify=((hit, 1 - mine, 2, True),))
+        worker.prepare_push("push", manifest, verify=(VerifyShare(hit, 1 - mine, 2, True),))
     with pytest.raises(ValueError, match=f"{bad}.*NaN"):  # alone on its node: verifies everything
         worker.stage_bucket("again", hit, packed[hit].entries, list(packed[hit].segments))
     assert worker.engine.policy_version == 0

@@ -15,8 +15,7 @@ import torch
 
 import rollout
 from rollout import RolloutCluster, SamplingParams
-from rollout.cluster.wire import BucketPacker
-from tests.factories import _randomize, hf_logprobs
+from tests.factories import _randomize, hf_logprobs, pack_state
 
 KW = dict(
     num_actors=2,
@@ -93,7 +92,7 @@ def test_a_push_rejected_by_one_actor_commits_on_none(cluster, policies, ray_ses
     with pytest.raises(ValueError, match=r"q_proj.weight.*shape \(3, 3\)"):
         cluster.push_weights(bad)
     nan = policies[1].state_dict()
-    _, manifest = BucketPacker(KW["bucket_bytes"]).pack(nan)
+    _, manifest = pack_state(nan, KW["bucket_bytes"])
     for bucket in (0, 1):  # verified by actor 0 and actor 1
         name = next(e.name for e in manifest.entries if e.bucket == bucket)
         poisoned = dict(nan, **{name: nan[name].clone().fill_(float("nan"))})

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.cluster.wire import ALIGN, SEGMENT_MIN, BucketPacker, Manifest, wire_order
-from rollout.cluster.wire_receive import assemble, unpack, verification_shares, verify
+from rollout.cluster.wire import ALIGN, Manifest
+from rollout.cluster.wire_receive import assemble, unpack, verification_shares, verify_entries
+from rollout.cluster.wire_send import SEGMENT_MIN, BucketPacker, wire_order
+from tests.factories import pack_state
 
 
 def _state():
@@ -24,9 +26,18 @@ def _state():
     }
 
 
+def verify(buckets, manifest):
+    """Every bucket's size and every tensor's checksum, as a receiving actor checks them."""
+    if len(buckets) != len(manifest.bucket_nbytes):
+        raise ValueError(f"{len(buckets)} buckets, the manifest names {len(manifest.bucket_nbytes)}")
+    for index, bucket in enumerate(buckets):
+        assert bucket.nbytes == manifest.bucket_nbytes[index]
+        verify_entries(bucket, manifest.bucket_entries(index))
+
+
 def test_round_trip_is_bit_exact_across_buckets():
     state = _state()
-    buckets, manifest = BucketPacker(bucket_bytes=4096).pack(state)
+    buckets, manifest = pack_state(state, bucket_bytes=4096)
     assert len(buckets) >= 3  # small buckets force a split; large tensors get their own
     assert all(e.offset % ALIGN == 0 for e in manifest.entries)
     verify(buckets, manifest)
@@ -115,12 +126,12 @@ def test_wire_order_puts_fused_siblings_side_by_side():
 def test_a_module_is_not_split_across_buckets():
     block = torch.ones(16, 32)  # 2 KiB
     state = {name: block.clone() for name in ("x.a.weight", "y.p.weight", "y.q.weight", "y.r.weight")}
-    _, manifest = BucketPacker(bucket_bytes=3 * block.nbytes).pack(state)
+    _, manifest = pack_state(state, bucket_bytes=3 * block.nbytes)
     assert [e.bucket for e in manifest.entries] == [0, 1, 1, 1]
 
 
 def test_corruption_is_named():
-    buckets, manifest = BucketPacker(bucket_bytes=4096).pack(_state())
+    buckets, manifest = pack_state(_state(), bucket_bytes=4096)
     entry = next(e for e in manifest.entries if e.name == "c.weight")
     buckets[entry.bucket][entry.offset + 5] ^= 0xFF
     with pytest.raises(ValueError, match="'c.weight' fails its checksum"):
@@ -143,7 +154,7 @@ def test_corruption_is_named():
 )
 def test_bad_state_dicts(state, error, needle):
     with pytest.raises(error, match=needle):
-        BucketPacker().pack(state)
+        next(BucketPacker().pack_buckets(state))
 
 
 def test_names_that_share_memory_travel_once():

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.cluster.wire import BucketPacker
 from rollout.cluster.wire_receive import unpack
 from tests.conftest import make_engine
-from tests.factories import _randomize, hf_logprobs
+from tests.factories import _randomize, hf_logprobs, pack_state
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7, 8, 9, 10, 11]]
 PARAMS = SamplingParams(n=3, max_tokens=24, ignore_eos=True, seed=21, logprobs_mode="raw")
@@ -273,7 +272,7 @@ def _wait_until(predicate, timeout: float = 30.0) -> None:
 
 def _store_buckets(state):
     """Contiguous read-only buckets, as a rollout actor receives them from the object store."""
-    buckets, manifest = BucketPacker().pack(state)
+    buckets, manifest = pack_state(state)
     for b in buckets:
         b.flags.writeable = False
     return buckets, unpack(buckets, manifest)

@@ -1,0 +1,232 @@
+"""`ActorPool`: the cluster's rollout actors and their lifecycle. It spawns
+them into one placement group, makes calls to them under one deadline,
+notices deaths, respawns replacements that load the latest published push,
+reports their health and shuts them down."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ..engine.engine import ClosedError
+from ..sampling_params import SamplingParams
+from .actor import RolloutWorker
+from .actor_slots import ActorCall, ActorGone, ActorSlot, Published, PushGate, unwrap
+from .ray_runtime import (
+    ActorStream,
+    Placement,
+    bundle_nodes,
+    control,
+    create_actor,
+    open_stream,
+    plan_placement,
+    ray_module,
+    reserve,
+)
+
+
+class ActorPool:
+    """The actors of one cluster, one `ActorSlot` per position.
+
+    `cond` guards every slot's state and load and is notified whenever an
+    actor comes back, dies for good, or the pool shuts down. `timeout_s`
+    bounds every control call. A dead actor is replaced in the background,
+    holding `gate`, so that it loads the latest push before it serves.
+    """
+
+    def __init__(
+        self, model_path: str, engine_kwargs: dict, generate_threads: int, timeout_s: float, gate: PushGate
+    ) -> None:
+        self.model_path = model_path
+        self.engine_kwargs = engine_kwargs
+        self.timeout_s = timeout_s
+        self.cond = threading.Condition()
+        self.slots: list[ActorSlot] = []
+        self._generate_threads = generate_threads
+        self._gate = gate
+        self._closed = False
+        self._placement: Placement | None = None
+        self._pg = None
+
+    def start(self, num_actors: int, cpus: int | None, gpus: int | None) -> dict:
+        """Reserve resources, start every actor and wait until each has
+        described itself; returns the first description (limits, dtype,
+        tokenizer), or raises `ValueError`/`RuntimeError`."""
+        self._placement = plan_placement(num_actors, cpus, gpus)
+        self._pg = reserve(self._placement, self.timeout_s)
+        self.engine_kwargs.setdefault("device", "cuda" if self._placement.gpus else "cpu")
+        nodes = bundle_nodes(self._pg)
+        self.slots = [ActorSlot(i, self._spawn(i, None), node=nodes[i]) for i in range(num_actors)]
+        described = self.call_all(self.slots, "describe", (), "starting")
+        for slot, desc in described:
+            if isinstance(desc, BaseException):
+                raise RuntimeError(f"{slot.label} failed to start: {desc}") from desc
+            slot.pid, slot.state = desc["pid"], "alive"
+        return described[0][1]
+
+    def _spawn(self, index: int, published: Published | None):
+        args: tuple = (self.model_path, self.engine_kwargs, self._placement.cpus)
+        if published is not None:
+            args += (published.manifest, published.version, *published.refs)
+        return create_actor(RolloutWorker, self._pg, index, self._placement, args, self._generate_threads)
+
+    # -- calls ------------------------------------------------------------------------------
+    def call(self, slot: ActorSlot, method: str, *args) -> ActorCall:
+        """Start `method(*args)` on `slot`'s actor, on its control threads."""
+        return ActorCall(slot, slot.generation, control(slot.handle, method).remote(*args))
+
+    def call_all(
+        self, slots: list[ActorSlot], method: str, args: tuple, what: str, timeout: float | None = None
+    ) -> list[tuple[ActorSlot, object]]:
+        """`method(*args)` on every slot's actor: (slot, result or exception) per slot, under one deadline."""
+        return self.collect([self.call(s, method, *args) for s in slots], what, timeout)
+
+    def collect(self, calls: list[ActorCall], what: str, timeout: float | None = None) -> list:
+        """`(slot, result or exception)` per call, all bounded by one deadline
+        (`timeout`, else `timeout_s`); a dead actor's calls come back as
+        `ActorGone` and start its replacement."""
+        ray = ray_module()
+        limit = timeout or self.timeout_s
+        deadline = time.monotonic() + limit
+        out = []
+        for slot, generation, ref in calls:
+            try:
+                out.append((slot, ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))))
+            except ray.exceptions.GetTimeoutError:
+                out.append((slot, TimeoutError(f"{slot.label} did not answer within {limit} s while {what}")))
+            except ray.exceptions.RayActorError as e:
+                self.actor_died(slot, generation, f"died while {what}")
+                out.append((slot, ActorGone(f"{slot.label} died while {what}: {e}")))
+            except Exception as e:  # the actor's own error, raised in its process
+                out.append((slot, unwrap(e)))
+        return out
+
+    def open_stream(self, actor, label: str, indices: list[int], prompts: list, params: SamplingParams) -> ActorStream:
+        """Start generating `prompts` (numbered `indices`) on `actor`; its outputs stream back."""
+        return open_stream(actor, label, indices, prompts, params)
+
+    # -- deaths and replacements ------------------------------------------------------------
+    def actor_died(self, slot: ActorSlot, generation: int, why: str) -> None:
+        """Mark `slot`'s actor of `generation` dead and start its replacement;
+        a report about an actor that was already replaced is ignored."""
+        with self.cond:
+            if slot.generation != generation or slot.state not in ("alive", "starting") or self._closed:
+                return
+            slot.state, slot.load, slot.error = "restarting", 0, why
+        threading.Thread(target=self._respawn, args=(slot,), name=f"rollout-respawn-{slot.index}", daemon=True).start()
+
+    def kill(self, slot: ActorSlot, why: str) -> None:
+        """Kill `slot`'s actor (a faulty one) and replace it."""
+        ray_module().kill(slot.handle, no_restart=True)
+        self.actor_died(slot, slot.generation, why)
+
+    def _respawn(self, slot: ActorSlot) -> None:
+        ray = ray_module()
+        with self._gate.lock:  # the replacement serves only after loading the latest push
+            if self._closed:
+                return
+            try:
+                ray.kill(slot.handle, no_restart=True)
+            except Exception:  # already gone
+                pass
+            try:
+                handle = self._spawn(slot.index, self._gate.latest)
+                desc = ray.get(control(handle, "describe").remote(), timeout=self.timeout_s)
+            except Exception as e:
+                with self.cond:
+                    slot.state, slot.error = "dead", f"replacement failed to start: {e}"
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                slot.handle, slot.pid, slot.state, slot.load = handle, desc["pid"], "alive", 0
+                slot.node = bundle_nodes(self._pg)[slot.index]  # a lost node's bundle moves elsewhere
+                slot.generation += 1
+                self.cond.notify_all()
+
+    # -- state ------------------------------------------------------------------------------
+    def alive(self) -> list[ActorSlot]:
+        """The slots whose actor is alive now."""
+        with self.cond:
+            return [s for s in self.slots if s.state == "alive"]
+
+    def wait_for_live(self) -> list[ActorSlot]:
+        """Alive actors, waiting up to `timeout_s` for a replacement when none
+        is; call holding `cond`. Raises when every actor is dead for good."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self.check_open()
+            live = [s for s in self.slots if s.state == "alive"]
+            if live:
+                return live
+            if all(s.state == "dead" for s in self.slots):
+                raise RuntimeError(
+                    "no rollout actor is alive: " + "; ".join(f"{s.label}: {s.error}" for s in self.slots)
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no rollout actor came back within {self.timeout_s} s")
+            self.cond.wait(left)
+
+    def wait_until_healthy(self, timeout: float | None = None) -> None:
+        """Block until every actor is alive (after respawns), or raise `TimeoutError`."""
+        deadline = time.monotonic() + (timeout or self.timeout_s)
+        with self.cond:
+            while not all(s.state == "alive" for s in self.slots):
+                left = deadline - time.monotonic()
+                if left <= 0 or any(s.state == "dead" for s in self.slots):
+                    raise TimeoutError("actors not all alive: " + ", ".join(f"{s.label}={s.state}" for s in self.slots))
+                self.cond.wait(left)
+
+    def health(self) -> list[dict]:
+        """Per actor: index, state, pid, dispatched load, and what the actor reports of itself."""
+        ray = ray_module()
+        with self.cond:
+            slots = list(self.slots)
+        report = []
+        for slot in slots:
+            entry = {"index": slot.index, "state": slot.state, "pid": slot.pid, "load": slot.load}
+            if slot.state == "alive":
+                try:
+                    entry.update(ray.get(control(slot.handle, "health").remote(), timeout=min(self.timeout_s, 30.0)))
+                except Exception as e:
+                    entry["state"], entry["error"] = "unreachable", str(e).splitlines()[0]
+            elif slot.error:
+                entry["error"] = slot.error
+            report.append(entry)
+        return report
+
+    def step_logs(self, since: float | None = None) -> list[list]:
+        """Each live actor's recent `StepInfo`s (ended after `since`)."""
+        results = self.call_all(self.alive(), "step_log", (since,), "reporting its step log")
+        return [r for _, r in results if not isinstance(r, BaseException)]
+
+    @property
+    def closed(self) -> bool:
+        """Whether `shutdown` was called."""
+        return self._closed
+
+    def check_open(self) -> None:
+        """Raise `ClosedError` once the pool is shut down."""
+        if self._closed:
+            raise ClosedError("the rollout cluster is shut down; call rollout.init(...) again")
+
+    def shutdown(self) -> bool:
+        """Stop every actor and release the placement group; False if it was shut down already."""
+        ray = ray_module()
+        with self.cond:
+            if self._closed:
+                return False
+            self._closed = True
+            self.cond.notify_all()
+        with self._gate.lock:  # waits for a push or respawn in progress
+            for slot in self.slots:
+                try:
+                    ray.kill(slot.handle, no_restart=True)
+                except Exception:  # already gone
+                    pass
+            if self._pg is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self._pg)
+            self._gate.latest = None
+        return True

@@ -1,0 +1,43 @@
+"""`ClusterVersion`: the cluster-wide policy version, the version of the
+last push every live actor committed."""
+
+from __future__ import annotations
+
+import threading
+
+from ..checks import is_int
+
+
+class ClusterVersion:
+    """A monotonic policy version counter. Pushes run one at a time, so
+    checking the next version and committing it need no lock between them;
+    the lock only keeps `commit` itself from going backwards."""
+
+    def __init__(self, version: int = 0) -> None:
+        self._version = version
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        """The last committed version."""
+        return self._version
+
+    def check_next(self, requested: int | None) -> int:
+        """The version a push would commit as: `requested`, or current + 1.
+
+        Raises `TypeError`/`ValueError` unless `requested` is None or an int
+        greater than the current version.
+        """
+        current = self._version
+        if requested is None:
+            return current + 1
+        if not is_int(requested):
+            raise TypeError(f"version must be an int > {current} or None, got {type(requested).__name__}")
+        if requested <= current:
+            raise ValueError(f"version must be > the current policy version {current}, got {requested}")
+        return requested
+
+    def commit(self, version: int) -> None:
+        """Make `version` current; raises like `check_next` if it is not newer."""
+        with self._lock:
+            self._version = self.check_next(version)
