@@ -30,3 +30,15 @@ def check_positive(name: str, value: object) -> float:
     if not is_number(value) or not value > 0:
         raise ValueError(f"{name} must be a number > 0, got {value!r}")
     return value
+
+
+def next_version(current: int, requested: object) -> int:
+    """The policy version a commit would install over `current`: `requested`,
+    or `current + 1` when it is None; anything else not newer is refused."""
+    if requested is None:
+        return current + 1
+    if not is_int(requested):
+        raise TypeError(f"version must be an int > {current} or None, got {type(requested).__name__}")
+    if requested <= current:
+        raise ValueError(f"version must be > the current policy version {current}, got {requested}")
+    return requested

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from ..checks import is_int
+from ..checks import next_version
 
 
 class ClusterVersion:
@@ -28,14 +28,7 @@ class ClusterVersion:
         Raises `TypeError`/`ValueError` unless `requested` is None or an int
         greater than the current version.
         """
-        current = self._version
-        if requested is None:
-            return current + 1
-        if not is_int(requested):
-            raise TypeError(f"version must be an int > {current} or None, got {type(requested).__name__}")
-        if requested <= current:
-            raise ValueError(f"version must be > the current policy version {current}, got {requested}")
-        return requested
+        return next_version(self._version, requested)
 
     def commit(self, version: int) -> None:
         """Make `version` current; raises like `check_next` if it is not newer."""

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ..checks import is_int
+from ..checks import next_version
 
 
 class PolicyVersionGuard:
@@ -36,13 +36,7 @@ class PolicyVersionGuard:
         Raises `TypeError`/`ValueError` unless `requested` is None or an int
         greater than the current version.
         """
-        if requested is None:
-            return self._version + 1
-        if not is_int(requested):
-            raise TypeError(f"version must be an int > {self._version} or None, got {type(requested).__name__}")
-        if requested <= self._version:
-            raise ValueError(f"version must be > the current policy version {self._version}, got {requested}")
-        return requested
+        return next_version(self._version, requested)
 
     @contextmanager
     def step(self) -> Iterator[int]:
