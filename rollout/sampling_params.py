@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .checks import check_int, is_int, is_number
+from .checks import as_token_ids, check_int, check_number
 
 LOGPROBS_MODES = ("processed", "raw", "scaled")
 MAX_SEED = 2**63 - 1
@@ -21,6 +21,8 @@ class SamplingParams:
     Filters apply in the order temperature, top-k, top-p, min-p, each
     renormalising the distribution. Every field is validated on
     construction: a bad value raises `ValueError`/`TypeError` naming it.
+    Numpy scalars, and 1-D integer numpy arrays or torch tensors as
+    `stop_token_ids`, are accepted and stored as plain Python values.
     """
 
     n: int = 1  # samples per prompt (a GRPO group)
@@ -36,29 +38,26 @@ class SamplingParams:
     logprobs_mode: str = "processed"  # "processed" | "raw" | "scaled" (see `LOGPROBS_MODES`)
 
     def __post_init__(self) -> None:
-        check_int("n", self.n, 1)
-        if not is_number(self.temperature):
-            raise TypeError(f"temperature must be a number >= 0, got {type(self.temperature).__name__}")
+        self.n = check_int("n", self.n, 1)
+        self.temperature = check_number("temperature", self.temperature, ">= 0")
         if not (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
             raise ValueError(
                 f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {self.temperature!r}"
             )
-        check_int("top_k", self.top_k, 0, "(0 = off)")
-        if not is_number(self.top_p):
-            raise TypeError(f"top_p must be a number in (0, 1], got {type(self.top_p).__name__}")
+        self.top_k = check_int("top_k", self.top_k, 0, "(0 = off)")
+        self.top_p = check_number("top_p", self.top_p, "in (0, 1]")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_number(self.min_p):
-            raise TypeError(f"min_p must be a number in [0, 1], got {type(self.min_p).__name__}")
+        self.min_p = check_number("min_p", self.min_p, "in [0, 1]")
         if not (0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        check_int("max_tokens", self.max_tokens, 1)
+        self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
         self.stop_token_ids = _token_list(self.stop_token_ids)
         self.stop = _stop_strings(self.stop)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
         if self.seed is not None:
-            check_int("seed", self.seed, 0, f"and <= {MAX_SEED}, or None")
+            self.seed = check_int("seed", self.seed, 0, f"and <= {MAX_SEED}, or None")
             if self.seed > MAX_SEED:
                 raise ValueError(f"seed must be in [0, {MAX_SEED}] or None, got {self.seed}")
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -76,12 +75,8 @@ class SamplingParams:
 def _token_list(ids: object) -> list[int] | None:
     if ids is None:
         return None
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-        raise TypeError(f"stop_token_ids must be a list of ints or None, got {type(ids).__name__}")
-    out = list(ids)
+    out = as_token_ids("stop_token_ids", ids)
     for t in out:
-        if not is_int(t):
-            raise TypeError(f"stop_token_ids must hold ints, got {t!r} ({type(t).__name__})")
         if t < 0:
             raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t}")
     return out

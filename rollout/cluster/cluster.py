@@ -57,8 +57,10 @@ class RolloutCluster:
         ray_init_kwargs: dict | None = None,
         **engine_kwargs,
     ) -> None:
-        _check_args(
-            num_actors, num_gpus_per_actor, num_cpus_per_actor, generate_concurrency, timeout_s, stall_timeout_s
+        num_actors, num_gpus_per_actor, num_cpus_per_actor, generate_concurrency, timeout_s, stall_timeout_s = (
+            _checked_args(
+                num_actors, num_gpus_per_actor, num_cpus_per_actor, generate_concurrency, timeout_s, stall_timeout_s
+            )
         )
         if Path(model_path).exists():
             ModelConfig.from_dir(model_path)  # a bad checkpoint fails here, before any actor starts
@@ -157,15 +159,15 @@ class RolloutCluster:
             ray_module().shutdown()
 
 
-def _check_args(num_actors, gpus, cpus, generate_concurrency, timeout_s, stall_timeout_s) -> None:
-    for name, value, low in (
-        ("num_actors", num_actors, 1),
-        ("num_gpus_per_actor", gpus, 0),
-        ("num_cpus_per_actor", cpus, 1),
-        ("generate_concurrency", generate_concurrency, 1),
-    ):
-        if value is None and name != "num_actors":
-            continue
-        check_int(name, value, low)
-    check_positive("timeout_s", timeout_s)
-    check_positive("stall_timeout_s", stall_timeout_s)
+def _checked_args(num_actors, gpus, cpus, generate_concurrency, timeout_s, stall_timeout_s) -> tuple:
+    """The arguments as plain Python numbers (numpy scalars accepted), or the error naming the first bad one."""
+    counts = [
+        None if value is None and name != "num_actors" else check_int(name, value, low)
+        for name, value, low in (
+            ("num_actors", num_actors, 1),
+            ("num_gpus_per_actor", gpus, 0),
+            ("num_cpus_per_actor", cpus, 1),
+            ("generate_concurrency", generate_concurrency, 1),
+        )
+    ]
+    return (*counts, check_positive("timeout_s", timeout_s), check_positive("stall_timeout_s", stall_timeout_s))

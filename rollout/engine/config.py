@@ -61,12 +61,13 @@ class EngineConfig:
         if graphs is None:
             raise TypeError(f"decode_graphs must be a str, one of {MODES}, got {type(decode_graphs).__name__}")
         dt = _dtype(dtype)
-        check_int("max_batch_size", max_batch_size, 1)
-        check_int("page_size", page_size, 1)
-        check_int("seed", seed, 0)
+        # The checks return plain ints: numpy scalars from a caller stop here.
+        max_batch_size = check_int("max_batch_size", max_batch_size, 1)
+        page_size = check_int("page_size", page_size, 1)
+        seed = check_int("seed", seed, 0)
         if max_seq_len is None:
             max_seq_len = mc.max_position_embeddings
-        check_int("max_seq_len", max_seq_len, 2)
+        max_seq_len = check_int("max_seq_len", max_seq_len, 2)
         if max_seq_len > mc.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len must be <= the model's max_position_embeddings "
@@ -74,10 +75,10 @@ class EngineConfig:
             )
         if max_step_tokens is None:
             max_step_tokens = max(2048, max_batch_size)
-        check_int("max_step_tokens", max_step_tokens, max_batch_size, "(at least max_batch_size)")
+        max_step_tokens = check_int("max_step_tokens", max_step_tokens, max_batch_size, "(at least max_batch_size)")
         if kv_cache_tokens is None:
             kv_cache_tokens = _default_kv_tokens(mc, dev, dt, max_batch_size * max_seq_len)
-        check_int("kv_cache_tokens", kv_cache_tokens, page_size, "(at least one page)")
+        kv_cache_tokens = check_int("kv_cache_tokens", kv_cache_tokens, page_size, "(at least one page)")
         kernel_choice = check_kernels(kernels, dev)
         return cls(
             device=dev,

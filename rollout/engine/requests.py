@@ -10,7 +10,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ..checks import is_int
+from ..checks import array_shape, as_token_ids
 from ..model.config import ModelConfig
 from ..sampling_params import MAX_SEED, SamplingParams
 from ..tokenizer import TextCodec
@@ -83,17 +83,16 @@ def make_requests(
 
 
 def _tokenize(prompts, codec: TextCodec | None, vocab: int) -> tuple[list[list[int]], list[str | None]]:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a list of strings or a list of token-id lists, got {type(prompts).__name__}")
+    prompts = _prompt_list(prompts)
     if not prompts:
         return [], []
     if all(isinstance(p, str) for p in prompts):
         if codec is None:
             raise ValueError("prompts are strings but the checkpoint has no tokenizer.json; pass token-id lists")
-        token_lists = [codec.encode(p) for p in prompts]
-        texts: list[str | None] = list(prompts)
-    elif all(isinstance(p, (list, tuple)) for p in prompts):
-        token_lists = [list(p) for p in prompts]
+        texts: list[str | None] = [str(p) for p in prompts]
+        token_lists = [codec.encode(t) for t in texts]
+    elif all(isinstance(p, (list, tuple)) or array_shape(p) is not None for p in prompts):
+        token_lists = [as_token_ids(f"prompts[{i}]", p) for i, p in enumerate(prompts)]
         texts = [None] * len(prompts)
     else:
         kinds = sorted({type(p).__name__ for p in prompts})
@@ -102,11 +101,25 @@ def _tokenize(prompts, codec: TextCodec | None, vocab: int) -> tuple[list[list[i
         if not ids:
             raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
         for t in ids:
-            if not is_int(t):
-                raise TypeError(f"prompts[{i}] must hold int token ids, got {t!r} ({type(t).__name__})")
             if not 0 <= t < vocab:
                 raise ValueError(f"prompts[{i}] has token id {t}, outside the vocabulary [0, {vocab})")
     return token_lists, texts
+
+
+def _prompt_list(prompts) -> list | tuple:
+    """The batch: a list or tuple of prompts, each a string or token ids (a
+    list, a tuple, or a 1-D integer numpy array or torch tensor). An array as
+    the batch is refused: a 1-D one is a single prompt, and a 2-D one's rows
+    are often padded to a common length, so the caller says which rows are
+    prompts with `list(array)` (or a list of trimmed rows)."""
+    shape = array_shape(prompts)
+    if shape is not None:
+        ndim = shape[0]
+        hint = "[array] for one prompt" if ndim == 1 else "list(array) for one prompt per row (without padding)"
+        raise TypeError(f"prompts must be a list of prompts, got a {ndim}-D array; pass {hint}")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of strings or a list of token-id lists, got {type(prompts).__name__}")
+    return prompts
 
 
 def _check_params(params: SamplingParams, limits: PromptLimits, codec: TextCodec | None) -> None:
@@ -121,16 +134,41 @@ def _check_params(params: SamplingParams, limits: PromptLimits, codec: TextCodec
         raise ValueError("stop strings need a tokenizer, and the checkpoint has no tokenizer.json")
 
 
+def pages_to_complete(num_prompt_tokens: int, params: SamplingParams, limits: PromptLimits) -> int:
+    """KV pages one request needs to run to completion alone in an empty pool,
+    whatever the prefix cache holds.
+
+    Admission: the scheduler admits a group's leader only when the pages of
+    its first chunk plus one spare page per pending fork are free (each fork
+    later writes one page of its own: a copy of the shared, partly filled last
+    page, or its first fresh one). Prefix-cache hits attach the prompt's cached
+    full pages first and the chunk follows them, so when every full page is
+    cached the leader holds all of the prompt's pages at that count, whatever
+    `max_step_tokens` is.
+
+    Completion: a sample's KV covers its prompt and every output token but the
+    last, which is sampled and never computed. Preemption lets the samples of a
+    group finish one after another, so only one of them at its longest has to
+    fit; several requests that each fit take turns the same way.
+    """
+    ps = limits.page_size
+    outputs = min(params.max_tokens, limits.max_seq_len - num_prompt_tokens)
+    admit = -(-num_prompt_tokens // ps) + params.n - 1
+    longest = -(-(num_prompt_tokens + outputs - 1) // ps)
+    return max(admit, longest)
+
+
 def _check_fits(i: int, ids: list[int], params: SamplingParams, cfg: PromptLimits) -> None:
     if len(ids) >= cfg.max_seq_len:
         raise ValueError(
             f"prompts[{i}] has {len(ids)} tokens; max_seq_len is {cfg.max_seq_len}, so a prompt may have "
             f"at most {cfg.max_seq_len - 1} tokens (one must be generated)"
         )
-    longest = min(len(ids) + params.max_tokens, cfg.max_seq_len)
-    pages = -(-longest // cfg.page_size)
+    pages = pages_to_complete(len(ids), params, cfg)
     if pages > cfg.num_pages:
         raise ValueError(
-            f"prompts[{i}] with max_tokens={params.max_tokens} needs up to {longest} KV tokens, but "
-            f"kv_cache_tokens is {cfg.kv_cache_tokens}; raise kv_cache_tokens or lower max_tokens"
+            f"prompts[{i}] ({len(ids)} tokens) with n={params.n} and max_tokens={params.max_tokens} needs "
+            f"{pages} KV pages of {cfg.page_size} tokens to complete (the prompt's pages plus one per further "
+            f"sample to admit the group, and the longest sample's pages), but kv_cache_tokens is "
+            f"{cfg.kv_cache_tokens} ({cfg.num_pages} pages); raise kv_cache_tokens or lower n or max_tokens"
         )
