@@ -3,7 +3,9 @@ stepper, the workspace and the policy version guard; no Ray here.
 
 A step (`_one_step`) is three calls under the guard: the scheduler plans
 (`schedule`), the stepper computes (`step`), the scheduler applies the result
-(`update`). Its record is logged after the guard is released."""
+(`update`). The caller's finished requests are copied under the guard too,
+as another thread's step may be finishing them; their outputs are decoded,
+and the step's record logged, after the guard is released."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from .decode_graphs import graph_stats
 from .kv_manager import KVManager
 from .requests import make_requests
 from .scheduler import Scheduler
-from .sequence import Request
+from .sequence import OpenIterator, Request, RequestResult
 from .step_stats import StepInfo, StepLog
 from .stepper import Stepper
 from .stop_strings import StopStrings
@@ -114,7 +116,9 @@ class Engine:
         self._rng = random.Random(cfg.seed)
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
-        self._stepping = threading.local()
+        # Added and discarded without a lock (single set operations): a generator's
+        # cleanup may run wherever it is collected, even under the guard.
+        self._open_iterators: set[OpenIterator] = set()
         self._step_callback = step_callback  # called by the thread that stepped, outside the guard
         self._step_log = StepLog()
         self._closed = False
@@ -162,17 +166,18 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | None = None) -> list[RolloutOutput]:
         """Sample `params.n` responses for each prompt; one `RolloutOutput` per
         prompt, in prompt order. Prompts are all strings (needs a tokenizer)
-        or all lists of token ids. Safe to call from several threads at once:
-        their sequences share batches."""
-        outputs: list[RolloutOutput | None] = [None] * len(prompts) if isinstance(prompts, (list, tuple)) else []
-        for index, output in self.generate_iter(prompts, params):
-            outputs[index] = output
-        return outputs
+        or all token-id sequences (lists, 1-D integer numpy arrays or torch
+        tensors). Safe to call from several threads at once: their sequences
+        share batches."""
+        outputs = dict(self.generate_iter(prompts, params))  # every prompt's, or it raised
+        return [outputs[i] for i in range(len(outputs))]
 
     def generate_iter(self, prompts, params: SamplingParams | None = None) -> Iterator[tuple[int, RolloutOutput]]:
         """Like `generate`, but yields `(prompt index, output)` as each prompt's
         samples finish, in completion order. Arguments are validated before
-        this returns; closing the iterator early aborts the unfinished prompts."""
+        this returns; the requests join the engine at the first `next`, so an
+        iterator never advanced holds nothing. Closing the iterator early
+        aborts the unfinished prompts."""
         self._check_open()
         if params is None:
             params = SamplingParams()
@@ -188,10 +193,7 @@ class Engine:
             request_ids=self._request_ids,
             seq_ids=self._seq_ids,
         )
-        with self._guard.held():
-            for r in requests:
-                self.scheduler.add(r)
-        return self._drive(dict(enumerate(requests)))
+        return self._drive(requests)
 
     def update_weights(
         self,
@@ -207,7 +209,9 @@ class Engine:
         rejected update leaves weights and version exactly as they were.
         `inflight` says what happens to sequences mid-generation (see
         docs/design.md). May be called from another thread while
-        `generate` runs.
+        `generate` runs. "drain" is refused (`RuntimeError`) from a thread
+        that holds an unfinished `generate_iter` iterator, a step callback
+        included: it would wait for requests only that thread advances.
         """
         check_inflight(inflight)
         self._guard.check_next(version)
@@ -241,8 +245,8 @@ class Engine:
         self._check_open()
         check_inflight(inflight)
         self._guard.check_next(version)
-        if inflight == "drain" and getattr(self._stepping, "active", False):
-            raise RuntimeError("update_weights(inflight='drain') from inside generate would wait on itself")
+        if inflight == "drain":
+            self._check_drain_would_not_wait_on_itself()
         try:
             return self._commit(staged, version, inflight)
         finally:
@@ -252,6 +256,7 @@ class Engine:
     def _commit(self, staged: StagedUpdate, version: int | None, inflight: str) -> int:
 
         def apply(_: int) -> None:
+            self._check_open()  # a close that came first leaves nothing to install into
             self._updater.commit(staged)
             self.scheduler.on_weights_committed(inflight)
             self.decode_cache.invalidate()
@@ -262,7 +267,7 @@ class Engine:
             with self._guard.held():
                 self.scheduler.draining = True
                 try:
-                    self._guard.wait_for(lambda: not self.scheduler.has_inflight, None)
+                    self._guard.wait_for(lambda: self._closed or not self.scheduler.has_inflight, None)
                     return self._guard.commit(version, apply)
                 finally:
                     self.scheduler.draining = False
@@ -270,6 +275,7 @@ class Engine:
 
     def stats(self) -> dict[str, int | float]:
         """Counters for monitoring: tokens computed, prefix hits, preemptions, KV use."""
+        self._check_open()
         st = self.scheduler.stats
         alloc = self.scheduler.kv.allocator
         return {
@@ -293,56 +299,88 @@ class Engine:
         return self._step_log.since(since)
 
     def close(self) -> None:
-        """Release the KV pool and workspace; later calls raise."""
-        with self._guard.held():
+        """Release the KV pool and workspace; later calls raise `ClosedError`.
+
+        Idempotent. Waits for a step or commit under way to end, never for a
+        generate or drain: those on other threads end with `ClosedError` at
+        their next step (their unfinished requests aborted) or when their
+        wait wakes, having installed nothing."""
+        with self._guard.ahead_of_steps():  # a generating loop would otherwise keep retaking it
+            if self._closed:
+                return
             self._closed = True
-            del self.kv_pool, self.workspace, self.stepper
+            del self.kv_pool, self.workspace, self.decode_cache, self.stepper
+            self._guard.notify()  # drains and drain-blocked callers wake up to raise
 
     # -- internals -----------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("engine is closed; make a new Engine")
 
-    def _drive(self, pending: dict[int, Request]) -> Iterator[tuple[int, RolloutOutput]]:
+    def _check_drain_would_not_wait_on_itself(self) -> None:
+        me = threading.current_thread()
+        with self._guard.held():
+            own = [it for it in tuple(self._open_iterators) if it.thread is me and it.unfinished]
+        if own:
+            raise RuntimeError(
+                "update_weights(inflight='drain') from a thread that holds an unfinished generate_iter "
+                "iterator (or from inside generate) would wait on itself: the drain waits for requests "
+                "that only this thread advances. Finish or close the iterator first, drain from another "
+                "thread, or use inflight='recompute', 'keep' or 'restart'"
+            )
+
+    def _drive(self, requests: list[Request]) -> Iterator[tuple[int, RolloutOutput]]:
+        opened = OpenIterator(requests)
+        with self._guard.held():
+            self._check_open()
+            for r in requests:
+                self.scheduler.add(r)
+        self._open_iterators.add(opened)
         decode = self.codec.decode if self.codec is not None else None
-        self._stepping.active = True
+        pending = dict(enumerate(requests))
         try:
             while pending:
-                info = self._one_step(pending.values())
-                for index in [i for i, r in pending.items() if r.is_finished]:
-                    yield index, pending.pop(index).to_output(decode, index)
+                info, finished = self._one_step(pending)
+                for index, result in finished:
+                    del pending[index]
+                    yield index, result.to_output(decode, index)
+                    opened.thread = threading.current_thread()  # whoever resumed the iterator holds it now
                 if info is not None and self._step_callback is not None:
                     self._step_callback(info)
         finally:
-            self._stepping.active = False
-            if pending:  # an error, or the caller stopped iterating
+            self._open_iterators.discard(opened)
+            if pending:  # an error, a close, or the caller stopped iterating
                 with self._guard.held():
                     self.scheduler.abort(list(pending.values()))
                     self._guard.notify()  # a pending drain may be waiting on these
 
-    def _one_step(self, requests) -> StepInfo | None:
+    def _one_step(self, pending: dict[int, Request]) -> tuple[StepInfo | None, list[tuple[int, RequestResult]]]:
         """One step of whatever the scheduler plans (other callers' sequences
-        included); None when no step ran. Logged once the guard is released."""
+        included), unless `pending` is all finished; the step's record (None
+        when no step ran) and the results of the finished ones among
+        `pending`, copied under the guard. Logged once the guard is released."""
+        info, blocked = None, False
         with self._guard.step() as version:
-            if all(r.is_finished for r in requests):
-                return None  # finished by another caller's steps
-            started = time.perf_counter()
-            plan = self.scheduler.schedule(version)
-            if plan.chunks:
-                with self._recovering():
-                    result = self.stepper.step(plan)
-                self.scheduler.update(plan, result)
-                info = StepInfo.read(started, plan, self.scheduler)
-            elif self.scheduler.blocked_by_drain():
-                info = None
-            else:
-                raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
-        if info is None:
-            # A drain is pending and only new requests remain: wait for its commit.
-            self._guard.wait_for(lambda: not self.scheduler.blocked_by_drain(), timeout=1.0)
-            return None
-        self._step_log.record(info)
-        return info
+            self._check_open()
+            if not all(r.is_finished for r in pending.values()):  # else: finished by another caller's steps
+                started = time.perf_counter()
+                plan = self.scheduler.schedule(version)
+                if plan.chunks:
+                    with self._recovering():
+                        result = self.stepper.step(plan)
+                    self.scheduler.update(plan, result)
+                    info = StepInfo.read(started, plan, self.scheduler)
+                elif self.scheduler.blocked_by_drain():
+                    blocked = True
+                else:
+                    raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
+            finished = [(i, r.result()) for i, r in pending.items() if r.is_finished]
+        if blocked:
+            # A drain is pending and only new requests remain: wait for its commit (or a close).
+            self._guard.wait_for(lambda: self._closed or not self.scheduler.blocked_by_drain(), timeout=1.0)
+        if info is not None:
+            self._step_log.record(info)
+        return info, finished
 
     @contextlib.contextmanager
     def _recovering(self) -> Iterator[None]:

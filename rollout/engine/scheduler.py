@@ -178,8 +178,7 @@ class Scheduler:
         elif seq.status is SeqStatus.FORK_PENDING:
             seq.request.pending_forks.remove(seq)
         self.kv.free(seq)
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
+        seq.mark_finished(reason)
         request = seq.request
         if request.leader is seq and request.pending_forks:
             # The leader is gone before its prompt was shared: the next pending sample leads.

@@ -2,12 +2,16 @@
 
 Progress is counters: `num_computed_tokens` says how much of `token_ids`
 has KV in the sequence's pages; what is left to compute, and whether the
-next step samples, follow from it. Only the scheduler mutates these.
+next step samples, follow from it. Only the scheduler mutates these, under
+the policy version guard; a finished request's results leave as a
+`RequestResult` copied under it. `OpenIterator` records which thread holds
+the requests of an unfinished `generate_iter` call.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 from dataclasses import dataclass, field
 
 from ..outputs import RolloutOutput, Sample
@@ -62,6 +66,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    def mark_finished(self, reason: str) -> None:
+        """Record why the sample ended, then publish it as finished: the status
+        is written last, so whoever sees FINISHED also sees the reason."""
+        self.finish_reason = reason
+        self.status = SeqStatus.FINISHED
+
     def append(self, token: int, logprob: float, version: int) -> None:
         self.token_ids.append(token)
         self.logprobs.append(logprob)
@@ -102,13 +112,62 @@ class Request:
         for s in self.pending_forks:
             s.status = SeqStatus.FORK_PENDING
 
+    def result(self) -> RequestResult:
+        """A copy of the samples as they are now. Take it under the guard: another
+        thread's step may be finishing them, and the copy is then all of one state."""
+        samples = tuple(
+            SampleResult(
+                tuple(s.output_token_ids), tuple(s.logprobs), tuple(s.versions), s.finish_reason, s.stop_text_end
+            )
+            for s in self.samples
+        )
+        return RequestResult(tuple(self.prompt_token_ids), self.prompt, samples)
+
+    def to_output(self, decode, index: int | None = None) -> RolloutOutput:
+        return self.result().to_output(decode, index)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    token_ids: tuple[int, ...]  # output tokens only
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    finish_reason: str | None
+    stop_text_end: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    """A request's samples copied under the guard; `to_output` decodes them
+    after it is released, so no step waits on the tokenizer."""
+
+    prompt_token_ids: tuple[int, ...]
+    prompt: str | None
+    samples: tuple[SampleResult, ...]
+
     def to_output(self, decode, index: int | None = None) -> RolloutOutput:
         samples = []
         for s in self.samples:
             text = None
             if decode is not None:
-                text = decode(s.output_token_ids)
+                text = decode(list(s.token_ids))
                 if s.stop_text_end is not None:
                     text = text[: s.stop_text_end]
-            samples.append(Sample(s.output_token_ids, list(s.logprobs), list(s.versions), s.finish_reason, text))
+            samples.append(Sample(list(s.token_ids), list(s.logprobs), list(s.versions), s.finish_reason, text))
         return RolloutOutput(list(self.prompt_token_ids), samples, self.prompt, index)
+
+
+class OpenIterator:
+    """The requests of one `generate_iter` iterator from its first `next` until
+    it ends or is closed, and the thread that advanced it last: only that
+    thread's steps are sure to finish them."""
+
+    __slots__ = ("requests", "thread")
+
+    def __init__(self, requests: list[Request]) -> None:
+        self.requests = requests
+        self.thread = threading.current_thread()  # an object, not an id: ids of ended threads are reused
+
+    @property
+    def unfinished(self) -> bool:
+        return not all(r.is_finished for r in self.requests)

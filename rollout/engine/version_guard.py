@@ -19,9 +19,9 @@ class PolicyVersionGuard:
     def __init__(self, version: int = 0) -> None:
         self._cond = threading.Condition(threading.RLock())
         self._version = version
-        # Commits waiting for the guard. A step yields to them first: Python
-        # locks do not hand off, so a stepping loop that releases and
-        # re-takes the guard could otherwise starve a commit for many steps.
+        # Commits (and closes) waiting for the guard. A step yields to them
+        # first: Python locks do not hand off, so a stepping loop that releases
+        # and re-takes the guard could otherwise starve a commit for many steps.
         self._pending = 0
         self._pending_lock = threading.Lock()
 
@@ -44,30 +44,38 @@ class PolicyVersionGuard:
         with self._cond:
             while self._pending:
                 self._cond.wait()
-            yield self._version
-            self._cond.notify_all()
+            try:
+                yield self._version
+            finally:
+                self._cond.notify_all()  # a failed step changes state too (recovery, aborts)
 
     @contextmanager
     def held(self) -> Iterator[None]:
         with self._cond:
             yield
 
-    def commit(self, requested: int | None, apply: Callable[[int], None]) -> int:
-        """Under the guard: re-check the version order, run `apply(version)`
-        (the weight copy and in-flight handling), then publish the version."""
+    @contextmanager
+    def ahead_of_steps(self) -> Iterator[None]:
+        """Hold the guard next, before any step that is waiting for it (commits, close)."""
         with self._pending_lock:
             self._pending += 1
         try:
             with self._cond:
-                version = self.check_next(requested)
-                apply(version)
-                self._version = version
-                return version
+                yield
         finally:
             with self._pending_lock:
                 self._pending -= 1
             with self._cond:
                 self._cond.notify_all()
+
+    def commit(self, requested: int | None, apply: Callable[[int], None]) -> int:
+        """Under the guard: re-check the version order, run `apply(version)`
+        (the weight copy and in-flight handling), then publish the version."""
+        with self.ahead_of_steps():
+            version = self.check_next(requested)
+            apply(version)
+            self._version = version
+            return version
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
         """Release the guard until `predicate()` holds (checked under it) or `timeout` s pass."""

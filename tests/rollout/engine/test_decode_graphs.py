@@ -176,7 +176,7 @@ def test_a_mixed_step_between_padded_steps_does_not_leave_stale_padding(qwen2):
 
         def callback(info):
             if join and not joined and info.num_sampled == 3 and engine.stats()["decode_graph_replays"] >= 2:
-                joined.append(engine.generate_iter([[11, 12]], joiner))  # one mixed step, then done
+                joined.append(engine.generate([[11, 12]], joiner))  # one mixed step, then done
 
         engine._step_callback = callback
         out = engine.generate([[3, 4, 5, 6, 7]], main)
