@@ -15,8 +15,11 @@ def token_logprobs(model: torch.nn.Module, batch: RolloutBatch, chunk_rows: int 
     """Log-probabilities `[B, R]` of the batch's response tokens under `model`
     (a Hugging Face causal LM, or any module returning `.logits`), computed in
     float32 with each row's temperature, filters and `logprobs_mode`; 0 on
-    padding. Differentiable; also sets `batch.mismatch` against the rollout's
-    logprobs. `chunk_rows` bounds the `[tokens, vocab]` working set."""
+    padding. A response token always counts as kept by the filters, so one
+    that `model`'s logits put just past a top-p, min-p or top-k edge scores
+    finite, never -inf (see `logprobs_of`). Differentiable; also sets
+    `batch.mismatch` against the rollout's logprobs. `chunk_rows` bounds the
+    `[tokens, vocab]` working set."""
     p = batch.prompt_ids.shape[1]
     r = batch.response_ids.shape[1]
     logits = model(

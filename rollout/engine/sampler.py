@@ -7,6 +7,19 @@ engines and of `kernels="torch"`.
 Randomness is a pure function of (seed, sample index, output position), so a
 seeded request draws the same numbers alone or inside any batch, and a
 preempted sequence recomputed later draws what it would have drawn.
+
+The kept set of top-k, top-p and min-p is computed as the compiled op computes
+it (float32 weights, float64 running sums in sorted order, ties by lower token
+id; `_apply_filters`): float32 cumulative sums of normalised probabilities
+round differently from the op's double sums and can put the top-p edge one
+token off, where a token the engine drew would score -inf on the trainer. One
+rule makes both paths keep the same tokens from the same logits. A trainer's
+logits differ from the engine's, though, and can move any edge across the
+sampled token; so `logprobs_of` adds each scored token to its row's kept set,
+and a sampled token never scores -inf. Carrying the engine's set (its size or
+edge logit) with every token instead would add a value per token to every
+batch and still need the sampled token added, since the trainer's order or
+logits near the edge can differ from the engine's.
 """
 
 from __future__ import annotations
@@ -139,16 +152,29 @@ def sample(
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, p: SamplingBatch) -> torch.Tensor:
     """Log-probabilities `[R]` of given `tokens` under each row's sampling
     settings and logprobs mode: exactly what `sample` reports for a token it
-    drew. Differentiable in `logits` (a trainer recomputes with it)."""
-    scaled, final = _distributions(logits, p)
+    drew. Differentiable in `logits` (a trainer recomputes with it).
+
+    Each token is scored as a member of its row's kept set: the filters run,
+    then the token is added to what they keep. A token `sample` drew is
+    already kept, so nothing changes for it. But a token sampled from other
+    logits (the engine's, where the trainer recomputes on its own model) can
+    lie just past the top-p or min-p edge, or past a top-k tie, of these ones;
+    dropping it would give -inf and an infinite importance ratio. Kept, it
+    gets its probability among the tokens these logits keep: the engine's
+    logprob, up to the two models' arithmetic, wherever both place the edge
+    alike, and off by the edge token's share of the mass where they do not."""
+    scaled, final = _distributions(logits, p, tokens)
     return _logprobs(logits, scaled, final, tokens, p)
 
 
-def _distributions(logits: torch.Tensor, p: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature-scaled logits and the final (filtered) ones; greedy rows use temperature 1."""
+def _distributions(
+    logits: torch.Tensor, p: SamplingBatch, force: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature-scaled logits and the final (filtered) ones, which keep the
+    tokens `force`; greedy rows use temperature 1."""
     temperature = torch.where(p.temperature == 0, torch.ones_like(p.temperature), p.temperature)
     scaled = logits / temperature[:, None]
-    return scaled, _apply_filters(scaled, p) if p.flags.any_filter else scaled
+    return scaled, _apply_filters(scaled, p, force) if p.flags.any_filter else scaled
 
 
 def _logprobs(logits, scaled, final, tokens, p: SamplingBatch) -> torch.Tensor:
@@ -167,15 +193,33 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
-def _apply_filters(scaled: torch.Tensor, p: SamplingBatch) -> torch.Tensor:
-    """`scaled` with the tokens dropped by top-k, top-p and min-p set to -inf."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+def _apply_filters(scaled: torch.Tensor, p: SamplingBatch, force: torch.Tensor | None = None) -> torch.Tensor:
+    """`scaled` with the tokens dropped by top-k, top-p and min-p set to -inf;
+    the tokens `force` `[R]`, when given, are kept whatever the filters say.
+
+    The kept set is the compiled sampler's, sum for sum: the order of `scaled`
+    descending, ties by lower token id (a stable sort); float32 weights
+    exp(s - max); the mass before each token a float64 running sum of those
+    weights in that order, compared with `top_p` times their float64 total
+    over the top-k set; min-p on the weights. A float32 cumulative sum of
+    normalised probabilities rounds differently, enough to move the top-p
+    edge by one token. With one rule the paths keep the same set from the
+    same logits, unless the two exps' last bits carry a sum across the edge.
+    (vec_exp's 0 below e^-87 vanishes from these double sums, which are at
+    least 1; it matters only to a min_p under 1e-37.)
+    """
+    ordered, order = scaled.detach().sort(dim=-1, descending=True, stable=True)
+    vocab = scaled.shape[-1]
+    ranks = torch.arange(vocab, device=scaled.device)[None, :]
     keep = (p.top_k[:, None] == 0) | (ranks < p.top_k[:, None])
-    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-    keep &= (p.top_p[:, None] >= 1) | (before < p.top_p[:, None])
-    keep &= probs >= p.min_p[:, None] * probs[:, :1]
+    weight = torch.exp(ordered - ordered[:, :1])
+    mass = weight.cumsum(dim=-1, dtype=torch.float64)  # through each token
+    last = torch.where(p.top_k > 0, p.top_k.clamp(max=vocab) - 1, vocab - 1)  # the top-k set's last token
+    budget = p.top_p.double()[:, None] * mass.gather(1, last[:, None])
+    keep[:, 1:] &= (p.top_p[:, None] >= 1) | (mass[:, :-1] < budget)  # the mass strictly before each token
+    keep &= weight >= p.min_p[:, None]
     keep[:, 0] = True
     keep_vocab = torch.empty_like(keep).scatter_(1, order, keep)
+    if force is not None:
+        keep_vocab.scatter_(1, force[:, None], True)
     return scaled.masked_fill(~keep_vocab, float("-inf"))

@@ -16,12 +16,15 @@
 // token whose cumulative mass exceeds u times the total), and report the
 // logprob of that token by the row's mode: 0 processed (the kept
 // distribution), 1 raw (log_softmax(logits)), 2 scaled (log_softmax(logits /
-// T)). The exp is vec_math.h's (about 1 ulp, like torch's) and sums run in
-// double and in another order, so a logprob differs from the torch path's by
-// float32 rounding, and a token (or the edge of the kept set) only within
-// rounding of a CDF step (or of top_p, min_p). Ties in the filters' order keep
-// the lower token id first, as a stable sort does; the torch path's sort is
-// not stable. A token of zero probability is never drawn.
+// T)). The exp is vec_math.h's (about 1 ulp, like torch's) and the draw's sums
+// run in double and in another order, so a logprob differs from the torch
+// path's by float32 rounding, and a token only within rounding of a CDF step.
+// The kept set is computed by one rule on both paths (filtered_row): the torch
+// path sums the same float32 weights in double in the same order, so the edge
+// of the set moves only where the two exps' last bits carry a sum across
+// top_p or a weight across min_p. Ties in the filters' order keep the lower
+// token id first, as the torch path's stable sort does. A token of zero
+// probability is never drawn.
 //
 // Built with the other kernels into one library by rollout/kernels/build.py.
 
@@ -71,13 +74,15 @@ struct Scratch {
   std::vector<uint64_t> keys;  // candidates of a filtered row, see sort_key
 };
 
-// A key whose ascending order is s descending (+0 before -0), then token id ascending: the
-// float's bits made monotone as unsigned, inverted, above the id. Plain integers sort faster
-// than an indirect comparator over s, which matters where most of a row is a candidate
-// (top_k near the vocabulary, top_p 0.999999, a flat row): there this op and the torch path
-// both sort about everything, and neither has an edge.
+// A key whose ascending order is s descending, then token id ascending: the float's bits made
+// monotone as unsigned, inverted, above the id. -0 becomes +0 first, as the two are equal to
+// the torch path's comparisons, so they tie by id there too. Plain integers sort faster than
+// an indirect comparator over s, which matters where most of a row is a candidate (top_k near
+// the vocabulary, top_p 0.999999, a flat row): there this op and the torch path both sort
+// about everything, and neither has an edge.
 inline uint64_t sort_key(float s, int64_t id) {
-  const uint32_t bits = std::bit_cast<uint32_t>(s);
+  uint32_t bits = std::bit_cast<uint32_t>(s);
+  if (bits == 0x80000000u) bits = 0;
   const uint32_t ascending = bits & 0x80000000u ? ~bits : bits | 0x80000000u;
   return static_cast<uint64_t>(~ascending) << 32 | static_cast<uint32_t>(id);
 }
@@ -170,7 +175,10 @@ Draw sample_row(const float* x, int64_t n, float temperature, int64_t mode, floa
 // order of s = x / T, descending (ties: lower token id first), the kept tokens are the longest
 // prefix of at most top_k tokens (at least one) in which every token has less than top_p of
 // the top-k set's mass before it and a probability at least min_p times the top one's. The
-// token is then drawn from the kept ones in vocabulary order, as on the unfiltered path.
+// mass is the float32 weights exp(s - top) summed in double in that order; the total is
+// summed in another order, which moves it by double rounding only. `_apply_filters` computes
+// the same sums, so both paths put the edge at the same token. The token is then drawn from
+// the kept ones in vocabulary order, as on the unfiltered path.
 //
 // Sorting the whole vocabulary is what makes the torch path slow. Here only candidates are
 // sorted: the tokens above the first depth below the top at which one filter is sure to end

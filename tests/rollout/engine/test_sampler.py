@@ -8,9 +8,9 @@ import pytest
 import torch
 from scipy import stats
 
-from rollout.engine.sampler import MODE_CODES, SamplingBatch, counter_uniform, sample
+from rollout.engine.sampler import MODE_CODES, SamplingBatch, counter_uniform, logprobs_of, sample
 from rollout.kernels.build import cpu_ops
-from tests.reference import processed_logprobs
+from tests.reference import processed_logprobs, top_p_edge_rows
 
 
 @pytest.fixture(params=["torch", "compiled"])
@@ -304,3 +304,82 @@ def test_compiled_rows_with_nan_or_inf_report_nan_at_the_nan_or_inf():
     for filters in [(0, 1.0, 0.0), (0, 0.3, 0.0), (2, 1.0, 0.0), (0, 1.0, 0.1)]:
         tokens, logprobs = _compiled(logits, 1.0, MODE_CODES["processed"], torch.tensor([0.99, 0.5]), *filters)
         assert tokens.tolist() == [4, 2] and logprobs.isnan().all(), filters
+
+
+def test_top_p_edge_where_float32_sums_round_onto_top_p_keeps_the_engine_token():
+    """Ten logits 2**-30 apart: distinct, ordered by id, each weighing exp(0) = 1 in float32.
+    float32(0.1) lies above 1/10, so the mass before token 1, exactly a tenth, is below top_p:
+    tokens 0 and 1 are kept. A float32 probability of 1/10 rounds to float32(0.1) itself,
+    which is not below top_p: a float32 cumulative sum keeps token 0 alone and scores token 1,
+    which the engine draws at u >= 0.5, as -inf."""
+    logits = (-torch.arange(10, dtype=torch.float32) * 2**-30).repeat(4, 1)
+    top_p = 0.1
+    assert torch.softmax(logits[0], -1)[0] == torch.tensor(top_p)  # the float32 trap
+    u = torch.tensor([0.0, 0.4, 0.6, 0.99])
+    tokens, logprobs = _compiled(logits, 1.0, MODE_CODES["processed"], u, top_p=top_p)
+    assert tokens.tolist() == [0, 0, 1, 1]
+    torch.testing.assert_close(logprobs, torch.full((4,), -torch.log(torch.tensor(2.0)).item()))
+    batch = _batch(4, temperature=1.0, top_k=0, top_p=top_p, min_p=0.0)
+    torch.testing.assert_close(logprobs_of(logits, tokens, batch), logprobs, rtol=0, atol=1e-6)
+    # The torch path keeps the same two tokens: its draws and logprobs are the op's.
+    u_tokens, u_logprobs = torch.empty_like(tokens), torch.empty_like(logprobs)
+    sample(logits, batch, u_tokens, u_logprobs, None)  # uniforms of counter_uniform, not `u`
+    assert set(u_tokens.tolist()) <= {0, 1}
+    torch.testing.assert_close(u_logprobs, logprobs, rtol=0, atol=1e-6)
+
+
+def test_stable_tie_rule_on_both_paths_including_signed_zeros(kernel):
+    """Tokens 1 and 3 tie at -0 and +0 (equal, as comparisons see them): top-k 2 keeps the
+    top token and the lower id of the tie, token 1, on both paths."""
+    logits = torch.tensor([1.0, -0.0, -1.0, 0.0, -2.0]).repeat(4, 1)
+    batch = _batch(4, temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, seed=5)
+    tokens, logprobs = _run(logits, batch, kernel)
+    assert set(tokens.tolist()) <= {0, 1}
+    final = logits[0].double().clone()
+    final[[2, 3, 4]] = float("-inf")
+    expected = torch.log_softmax(final, -1)[tokens]
+    torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(logprobs_of(logits, tokens, batch), logprobs, rtol=0, atol=1e-6)
+
+
+def test_logprobs_of_scores_a_token_past_the_edge_among_the_kept_tokens_and_itself():
+    """A token these logits' filters drop (another model's logits sampled it) gets its
+    probability among the kept tokens and itself, with a gradient, never -inf; a kept token
+    scores as `sample` reports it."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).repeat(3, 1).requires_grad_()
+    batch = _batch(3, temperature=1.0, top_k=0, top_p=torch.tensor([0.5, 0.5, 1.0]), min_p=0.0)
+    got = logprobs_of(logits, torch.tensor([0, 2, 2]), batch)  # top_p 0.5 keeps token 0 (p = 0.64)
+    x = logits.detach()[0].double()
+    expected = [0.0, float(x[2] - torch.logsumexp(x[[0, 2]], 0)), float(torch.log_softmax(x, -1)[2])]
+    torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-6)
+    got[1].backward()
+    assert logits.grad[1].tolist() == pytest.approx(
+        [-torch.sigmoid(x[0] - x[2]).item(), 0.0, torch.sigmoid(x[0] - x[2]).item(), 0.0]
+    )
+
+
+@pytest.mark.parametrize("vocab", [16, 64, 1000])
+def test_every_token_the_compiled_sampler_draws_at_the_top_p_edge_scores_finite(vocab):
+    """Rows whose top_p sits where rounding decides the edge token. Uniforms near 1 draw the
+    op's last kept tokens; the recompute scores each finite, and as the engine did but in a
+    rare row where the two exps' last bits differ. Logits perturbed as a trainer's would be
+    move the edge; the recompute stays finite. Both paths keep the same set: their processed
+    logprobs agree."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 2000
+    rare = rows // 100  # the two exps differ in a last bit in a few rows
+    logits, temperature, top_p = top_p_edge_rows(rows, vocab, g)
+    batch = _batch(rows, temperature=temperature, top_k=0, top_p=top_p, min_p=0.0, seed=vocab)
+    u = (1 - torch.rand(rows, generator=g) ** 4).clamp(max=1 - 2**-24)
+    tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
+    op = cpu_ops().sample_rows
+    op(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.mode, u, tokens, logprobs)
+    recomputed = logprobs_of(logits, tokens, batch)
+    assert torch.isfinite(recomputed).all()
+    trainer = logits + torch.randn(logits.shape, generator=g) * 1e-5
+    assert torch.isfinite(logprobs_of(trainer, tokens, batch)).all()
+    assert ((recomputed - logprobs).abs() > 1e-5).sum() <= rare
+
+    _, compiled_logprobs = _run(logits, batch, op)
+    _, torch_logprobs = _run(logits, batch)
+    assert ((compiled_logprobs - torch_logprobs).abs() > 1e-5).sum() <= rare
