@@ -128,3 +128,18 @@ def pack_state(state_dict, bucket_bytes: int | None = None):
         buckets.append(np.concatenate(packed.segments))
         entries.extend(packed.entries)
     return buckets, Manifest(tuple(entries), tuple(b.nbytes for b in buckets))
+
+
+def with_pushes(model, *states):
+    """A copy of `model` with each state dict, whole or partial, copied in
+    order: the weights an engine serves after those pushes. Names that share
+    a parameter (a tied `lm_head.weight`) write it through either name."""
+    import copy
+
+    out = copy.deepcopy(model)
+    live = out.state_dict()
+    with torch.no_grad():
+        for state in states:
+            for name, tensor in state.items():
+                live[name].copy_(tensor)
+    return out

@@ -19,6 +19,7 @@ from ..checks import is_int
 from ..engine.engine import Engine
 from ..engine.requests import PromptLimits
 from ..engine.weight_update import StagedUpdate, all_finite
+from ..model.weight_slots import WeightSlot
 from ..outputs import RolloutOutput
 from ..sampling_params import SamplingParams
 from .host import cap_malloc_arenas, lower_thread_priority, resident_bytes, touch_pages
@@ -50,7 +51,11 @@ def _checked_share(share) -> tuple[int, int]:
 class RolloutWorker:
     """Owns one `Engine`. With `manifest`, `version` and `buckets` (each
     bucket as its segments), it loads those published weights before
-    serving (a replacement actor)."""
+    serving (a replacement actor): every push since the checkpoint, composed
+    (`published.compose`). It verifies every bucket in full (checksums and
+    NaN/inf), commits them as `version`, and checks that each named tensor
+    of its live weights equals the manifest's bytes; any failure raises
+    here, so a replacement that could not load them never serves."""
 
     def __init__(
         self,
@@ -79,9 +84,11 @@ class RolloutWorker:
                 self.stage_bucket("published", index, manifest.bucket_entries(index), segments)
             self.prepare_push("published", manifest)
             self.commit_push("published", version, "keep")
+            self._check_holds(manifest, buckets)
 
     def describe(self) -> dict:
-        """What the driver needs to validate prompts: limits, eos ids, tokenizer."""
+        """What the driver needs to validate prompts (limits, eos ids,
+        tokenizer) and to compose pushes for replacements (`weight_aliases`)."""
         codec = self.engine.codec
         return {
             "limits": PromptLimits.of(self.engine.config, self.engine.model_config),
@@ -90,7 +97,18 @@ class RolloutWorker:
             "pid": os.getpid(),
             "version": self.engine.policy_version,
             "dtype": str(self.engine.config.dtype).removeprefix("torch."),
+            "weight_aliases": weight_aliases(self.engine.model.weight_slots()),
         }
+
+    def _check_holds(self, manifest: Manifest, buckets: tuple) -> None:
+        """Raise unless every tensor `manifest` names is, in the live weights,
+        the value of its bytes (cast to the engine's dtype as a commit does)."""
+        slots = self.engine.model.weight_slots()
+        tensors = unpack([assemble(b)[0] for b in buckets], manifest)
+        for name, tensor in tensors.items():
+            live = slots[name].view()
+            if not torch.equal(live, tensor.to(live.device, live.dtype)):
+                raise RuntimeError(f"after loading the published weights, {name!r} differs from the manifest's bytes")
 
     def generate_stream(
         self, indices: list[int], prompts: list[list[int]], params: SamplingParams
@@ -220,3 +238,12 @@ class RolloutWorker:
             message = self._faults.pop(method, None)
         if message is not None:
             raise ValueError(message)
+
+
+def weight_aliases(slots: dict[str, WeightSlot]) -> dict[str, tuple[str, ...]]:
+    """Per checkpoint name, the other names held in the very same weight (a
+    tied `lm_head.weight` is the embedding): a push that sets one sets all."""
+    groups: dict[tuple, list[str]] = {}
+    for name, slot in slots.items():
+        groups.setdefault((slot.param_name, slot.start, slot.rows), []).append(name)
+    return {n: tuple(m for m in g if m != n) for g in groups.values() if len(g) > 1 for n in g}

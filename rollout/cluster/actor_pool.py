@@ -5,6 +5,7 @@ reports their health and shuts them down."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -62,6 +63,8 @@ class ActorPool:
             if isinstance(desc, BaseException):
                 raise RuntimeError(f"{slot.label} failed to start: {desc}") from desc
             slot.pid, slot.state = desc["pid"], "alive"
+        # Every actor loaded the same checkpoint: one description says which names share a weight.
+        self._gate.aliases = described[0][1]["weight_aliases"]
         return described[0][1]
 
     def _spawn(self, index: int, published: Published | None):
@@ -121,7 +124,11 @@ class ActorPool:
         self.actor_died(slot, slot.generation, why)
 
     def _respawn(self, slot: ActorSlot) -> None:
+        """Replace `slot`'s actor with one that loads `gate.latest`, every push
+        since the checkpoint composed, and checks it holds them before it
+        answers (`RolloutWorker`); it serves once it reports their version."""
         ray = ray_module()
+        handle = None
         with self._gate.lock:  # the replacement serves only after loading the latest push
             if self._closed:
                 return
@@ -129,10 +136,14 @@ class ActorPool:
                 ray.kill(slot.handle, no_restart=True)
             except Exception:  # already gone
                 pass
+            published = self._gate.latest
             try:
-                handle = self._spawn(slot.index, self._gate.latest)
+                handle = self._spawn(slot.index, published)
                 desc = ray.get(control(handle, "describe").remote(), timeout=self.timeout_s)
+                _check_loaded(desc, published)
             except Exception as e:
+                with contextlib.suppress(Exception):  # it must not linger in the slot's bundle
+                    ray.kill(handle, no_restart=True)
                 with self.cond:
                     slot.state, slot.error = "dead", f"replacement failed to start: {e}"
                     self.cond.notify_all()
@@ -230,3 +241,10 @@ class ActorPool:
                 remove_placement_group(self._pg)
             self._gate.latest = None
         return True
+
+
+def _check_loaded(desc: dict, published: Published | None) -> None:
+    """Raise unless a replacement reports the version of what it was given to load."""
+    expected = 0 if published is None else published.version
+    if desc["version"] != expected:
+        raise RuntimeError(f"it loaded version {desc['version']}, not the published version {expected}")

@@ -1,13 +1,15 @@
 """The driver's view of its actors: one `ActorSlot` per actor position, the
-calls made to them, the latest published push, and the error a dead actor's
-calls come back as."""
+calls made to them, the weights a replacement loads, and the error a dead
+actor's calls come back as."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from .published import Published, compose
 from .wire import Manifest
 
 
@@ -40,23 +42,25 @@ class ActorCall(NamedTuple):
     ref: Any
 
 
-@dataclass(frozen=True, slots=True)
-class Published:
-    """The latest committed push: what a replacement actor loads before it serves."""
-
-    manifest: Manifest
-    version: int
-    refs: tuple  # Ray object refs of the buckets, kept alive here
-
-
 class PushGate:
     """Orders weight pushes against respawns. A push holds `lock` from its
     start to its end; a replacement actor is spawned holding it too and
-    loads `latest`, so it can neither miss a push nor join one half-way."""
+    loads `latest`, so it can neither miss a push nor join one half-way.
+
+    `latest` is every push committed since the checkpoint, composed
+    (`published.compose`), not the last push alone: a push may set only
+    some tensors, and a replacement must hold what the live actors hold.
+    `aliases` (per checkpoint name, the other names the engine holds in the
+    same weight) comes from the actors' description, before any push."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.latest: Published | None = None
+        self.aliases: Mapping[str, tuple[str, ...]] = {}
+
+    def publish(self, manifest: Manifest, version: int, refs: tuple) -> None:
+        """Record an accepted push for replacement actors; call holding `lock`."""
+        self.latest = compose(self.latest, manifest, version, refs, self.aliases)
 
 
 class ActorGone(RuntimeError):

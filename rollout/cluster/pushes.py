@@ -1,5 +1,6 @@
 """Weight pushes on the cluster: pack, put and ship buckets; two-phase
-prepare and commit on every live actor; publish for replacements."""
+prepare and commit on every live actor; publish for replacements (composed
+over the pushes before, see `published`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from ..engine.engine import check_inflight
 from .actor_pool import ActorPool
-from .actor_slots import ActorCall, ActorGone, ActorSlot, Published, PushGate
+from .actor_slots import ActorCall, ActorGone, ActorSlot, PushGate
 from .cluster_version import ClusterVersion
 from .handles import PushHandle
 from .ray_runtime import local_node, ray_module
@@ -130,7 +131,7 @@ class WeightPushes:
             if rejected:
                 self._abort(push_id, shipment.slots)
                 raise _rejection(*rejected[0], version)
-            self._gate.latest = Published(shipment.manifest, version, shipment.refs)
+            self._gate.publish(shipment.manifest, version, shipment.refs)
             self._commit(ready, push_id, version, inflight)
             self._versions.commit(version)
             return version
