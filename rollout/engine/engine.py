@@ -32,9 +32,10 @@ from ..tokenizer import TextCodec
 from .config import EngineConfig
 from .decode_graphs import graph_stats
 from .kv_manager import KVManager
+from .open_iterators import OpenIterators
 from .requests import make_requests
 from .scheduler import Scheduler
-from .sequence import OpenIterator, Request, RequestResult
+from .sequence import Request, RequestResult
 from .step_stats import StepInfo, StepLog
 from .stepper import Stepper
 from .stop_strings import StopStrings
@@ -118,7 +119,7 @@ class Engine:
         self._seq_ids = itertools.count()
         # Added and discarded without a lock (single set operations): a generator's
         # cleanup may run wherever it is collected, even under the guard.
-        self._open_iterators: set[OpenIterator] = set()
+        self._iterators = OpenIterators()
         self._step_callback = step_callback  # called by the thread that stepped, outside the guard
         self._step_log = StepLog()
         self._closed = False
@@ -318,24 +319,15 @@ class Engine:
             raise ClosedError("engine is closed; make a new Engine")
 
     def _check_drain_would_not_wait_on_itself(self) -> None:
-        me = threading.current_thread()
         with self._guard.held():
-            own = [it for it in tuple(self._open_iterators) if it.thread is me and it.unfinished]
-        if own:
-            raise RuntimeError(
-                "update_weights(inflight='drain') from a thread that holds an unfinished generate_iter "
-                "iterator (or from inside generate) would wait on itself: the drain waits for requests "
-                "that only this thread advances. Finish or close the iterator first, drain from another "
-                "thread, or use inflight='recompute', 'keep' or 'restart'"
-            )
+            self._iterators.check_drain()
 
     def _drive(self, requests: list[Request]) -> Iterator[tuple[int, RolloutOutput]]:
-        opened = OpenIterator(requests)
         with self._guard.held():
             self._check_open()
             for r in requests:
                 self.scheduler.add(r)
-        self._open_iterators.add(opened)
+        opened = self._iterators.open(requests)
         decode = self.codec.decode if self.codec is not None else None
         pending = dict(enumerate(requests))
         try:
@@ -348,7 +340,7 @@ class Engine:
                 if info is not None and self._step_callback is not None:
                     self._step_callback(info)
         finally:
-            self._open_iterators.discard(opened)
+            self._iterators.close(opened)
             if pending:  # an error, a close, or the caller stopped iterating
                 with self._guard.held():
                     self.scheduler.abort(list(pending.values()))

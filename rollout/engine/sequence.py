@@ -4,14 +4,12 @@ Progress is counters: `num_computed_tokens` says how much of `token_ids`
 has KV in the sequence's pages; what is left to compute, and whether the
 next step samples, follow from it. Only the scheduler mutates these, under
 the policy version guard; a finished request's results leave as a
-`RequestResult` copied under it. `OpenIterator` records which thread holds
-the requests of an unfinished `generate_iter` call.
+`RequestResult` copied under it.
 """
 
 from __future__ import annotations
 
 import enum
-import threading
 from dataclasses import dataclass, field
 
 from ..outputs import RolloutOutput, Sample
@@ -155,19 +153,3 @@ class RequestResult:
                     text = text[: s.stop_text_end]
             samples.append(Sample(list(s.token_ids), list(s.logprobs), list(s.versions), s.finish_reason, text))
         return RolloutOutput(list(self.prompt_token_ids), samples, self.prompt, index)
-
-
-class OpenIterator:
-    """The requests of one `generate_iter` iterator from its first `next` until
-    it ends or is closed, and the thread that advanced it last: only that
-    thread's steps are sure to finish them."""
-
-    __slots__ = ("requests", "thread")
-
-    def __init__(self, requests: list[Request]) -> None:
-        self.requests = requests
-        self.thread = threading.current_thread()  # an object, not an id: ids of ended threads are reused
-
-    @property
-    def unfinished(self) -> bool:
-        return not all(r.is_finished for r in self.requests)
