@@ -15,7 +15,12 @@ round's fraction of the floor compares it with the machine as it was then
 (this machine's speed drifts: its BLAS rate fell by a third for minutes in
 one run). The table shows medians and the figures of each round.
 
-    python -m scripts.bench [--out runs/bench.json] [--skip-hf]
+Last, the engine's start-up: `import rollout`, `Engine(path, device="cpu")`
+with default sizes and a first `generate` of 4 tokens, in fresh
+subprocesses with the kernels already built, and the resident memory right
+after, for `bench-25m` and for the `smollm2-135m` preset (random weights).
+
+    python -m scripts.bench [--out runs/bench.json] [--skip-hf] [--startup-only]
 
 Prints a table and writes JSON. Timings are never asserted in tests.
 """
@@ -25,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +46,26 @@ BENCH_25M = preset("bench-25m")
 STOP_IDS = list(range(10, 50))
 N, PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 16, 32, 128
 ENGINE_SIZES = dict(device="cpu", max_batch_size=PROMPTS * N, max_seq_len=2048, kv_cache_tokens=64 * 1024)
+STARTUP_MODELS = ("bench-25m", "smollm2-135m")
+STARTUP_RUNS = 3
+# Run by a fresh interpreter with the checkpoint's path; prints one JSON line.
+STARTUP_CHILD = """
+import json, sys, time
+start = time.perf_counter()
+import rollout
+imported = time.perf_counter()
+engine = rollout.Engine(sys.argv[1], device="cpu")
+loaded = time.perf_counter()
+engine.generate([[1, 2, 3, 4]], rollout.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+done = time.perf_counter()
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+kib = lambda key: int(status[key].split()[0]) * 1024
+print(json.dumps(dict(
+    import_s=imported - start, engine_s=loaded - imported, generate_s=done - loaded, total_s=done - start,
+    rss_bytes=kib("VmRSS"), peak_rss_bytes=kib("VmHWM"), kv_cache_tokens=engine.config.kv_cache_tokens,
+    kv_pool_bytes=engine.kv_pool.nbytes, kernels=engine.config.kernels, gemm=engine.model.gemm,
+)))
+"""
 
 
 def make_checkpoint(path: Path, config: dict = BENCH_25M, dtype: torch.dtype = torch.float32):
@@ -270,6 +297,42 @@ def single_runs(engine: Engine, hf) -> dict:
     return results
 
 
+def startup_run(path: Path) -> dict:
+    """One start-up of the engine on `path` in a fresh interpreter: the child's
+    phases, its resident memory after the first tokens, and the process's wall time."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", STARTUP_CHILD, str(path)], capture_output=True, text=True, check=True)
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "process_s": time.perf_counter() - start}
+
+
+def startup(models=STARTUP_MODELS, runs: int = STARTUP_RUNS) -> dict:
+    """Per preset in `models`: a random checkpoint, one untimed start-up (builds
+    the kernels if needed, reads the file into the page cache), then `runs`
+    start-ups; the medians and every run's figures."""
+    results = {}
+    for name in models:
+        path = Path(tempfile.mkdtemp(prefix=f"startup_{name}_"))
+        make_checkpoint(path, preset(name))
+        startup_run(path)
+        measured = [startup_run(path) for _ in range(runs)]
+        medians = {k: statistics.median(m[k] for m in measured) for k, v in measured[0].items() if k.endswith("_s")}
+        largest = {k: max(m[k] for m in measured) for k in ("rss_bytes", "peak_rss_bytes")}
+        results[name] = {**measured[0], **medians, **largest, "runs": measured}
+    return results
+
+
+def print_startup(startups: dict) -> None:
+    GiB = 1 << 30
+    for name, r in startups.items():
+        print(
+            f"start-up {name}: {r['total_s']:.2f} s (import {r['import_s']:.2f}, Engine() {r['engine_s']:.2f}, "
+            f"first 4 tokens {r['generate_s']:.2f}; process {r['process_s']:.2f}); resident {r['rss_bytes'] / GiB:.2f} "
+            f"GiB after start (peak {r['peak_rss_bytes'] / GiB:.2f}); KV pool {r['kv_cache_tokens']} tokens, "
+            f"{r['kv_pool_bytes'] / GiB:.2f} GiB reserved; kernels={r['kernels']}, GEMM {r['gemm']}; "
+            f"medians of {len(r['runs'])} fresh processes, memory the largest"
+        )
+
+
 def print_table(r: dict) -> None:
     print(
         f"bench-25m on CPU, {r['threads']} threads; floor {r['floor']['tokens_per_s']:.0f} tok/s "
@@ -318,16 +381,23 @@ def write_json(path: Path, results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/bench.json"))
+    parser.add_argument(
+        "--out", type=Path, help="default runs/bench.json (runs/bench_startup.json with --startup-only)"
+    )
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="engine rows only")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported")
+    parser.add_argument("--startup-only", action="store_true", help="only the start-up rows")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
-    results = run(args)
-    print_table(results)
-    write_json(args.out, results)
+    results = {}
+    if not args.startup_only:
+        results = run(args)
+        print_table(results)
+    results["startup"] = startup()
+    print_startup(results["startup"])
+    write_json(args.out or Path("runs/bench_startup.json" if args.startup_only else "runs/bench.json"), results)
 
 
 if __name__ == "__main__":

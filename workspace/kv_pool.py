@@ -3,7 +3,30 @@ pages, allocated once at start-up and only indexed afterwards."""
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
+
+
+def zero_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor of `shape` whose memory is touched only as it is written.
+
+    On the CPU it lives in a private anonymous mapping: the OS hands out zero
+    pages on first touch, so a large pool costs address space, not resident
+    memory, until its pages are used, and reads of never-written slots see
+    zeros. Elsewhere (CUDA, or a platform whose `mmap` takes no flags) it is
+    `torch.zeros`.
+    """
+    device = torch.device(device)
+    if device.type != "cpu" or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor holds a reference to the mapping, which is unmapped when the tensor is freed.
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # fd -1: anonymous
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
 class KVPool:
@@ -12,7 +35,9 @@ class KVPool:
     A token's *slot* is `page * page_size + offset`; writes scatter by slot,
     reads gather whole pages by a block table. Pages start zeroed so padded
     reads past a sequence's end are finite (they are masked, and a masked
-    NaN would still poison the weighted sum of values).
+    NaN would still poison the weighted sum of values). On the CPU the zeros
+    come from the OS on first touch (`zero_pages`), so resident memory grows
+    with the pages written rather than with the pool's size.
     """
 
     def __init__(
@@ -27,8 +52,8 @@ class KVPool:
         device: torch.device,
     ) -> None:
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zero_pages(shape, dtype, device)
+        self.v = zero_pages(shape, dtype, device)
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size

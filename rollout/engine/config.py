@@ -18,7 +18,9 @@ from ..model.config import ModelConfig
 from .decode_graphs import MODES, resolve_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Share of free memory the default KV pool may take.
+# Share of free memory the default KV pool may take. On the CPU the pool only
+# reserves address space (pages become resident as KV is written), so the share
+# bounds what a long run's KV and prefix cache can grow to, not the start-up cost.
 _KV_SHARE_CUDA = 0.8
 _KV_SHARE_CPU = 0.25
 
@@ -139,6 +141,9 @@ def _dtype(dtype) -> torch.dtype:
 
 
 def _default_kv_tokens(mc: ModelConfig, device: torch.device, dtype: torch.dtype, wanted: int) -> int:
+    """KV tokens when `kv_cache_tokens` is not given: `wanted` (what `max_batch_size`
+    full sequences need), capped at 80% of free CUDA memory or, on the CPU, 25% of
+    the host's available memory, over the bytes one token's K and V take in every layer."""
     per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
