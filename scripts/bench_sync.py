@@ -7,6 +7,11 @@ token production during a push against the median decode step, while both
 actors generate.
 
     python -m scripts.bench_sync [--pushes 10] [--warmup 3] [--out runs/bench_sync.json]
+    python -m scripts.bench_sync --defaults [--pushes 12] [--out runs/bench_sync_defaults.json]
+
+`--defaults` starts the cluster with `rollout.init(path, num_actors=2)` and
+nothing else, as a user would, so it measures the object store that
+`rollout.init` configures for itself.
 """
 
 from __future__ import annotations
@@ -95,6 +100,62 @@ def start_cluster(args):
         timeout_s=600,
         bucket_bytes=args.bucket_mb * 2**20,
     )
+
+
+def default_pushes(args) -> dict:
+    """`rollout.init(path, num_actors=2)` with no Ray settings of its own; every push timed
+    against the floor measured just before it, the steady state being pushes 4 onwards."""
+    import ray
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_sync_"))
+    write_checkpoint(tmp, CONFIG)
+    states = [random_state(CONFIG, 1 + k) for k in range(2)]
+    floor = CopyFloor(sum(t.nbytes for t in states[0].values()))
+    floor.seconds()
+    cluster = rollout.init(tmp, num_actors=2)
+    store = ray.available_resources().get("object_store_memory")
+    times, floors, puts = [], [], []
+    for k in range(args.pushes):
+        floors.append(floor.seconds())
+        start = time.perf_counter()
+        handle = cluster.push_weights(states[k % 2], wait=False)  # returns once every bucket is in the store
+        puts.append(time.perf_counter() - start)
+        handle.result(600)
+        times.append(time.perf_counter() - start)
+    rollout.shutdown()
+    steady = slice(3, None)
+    ratios = sorted(f / t for f, t in zip(floors[steady], times[steady], strict=True))
+    return {
+        "bytes": floor.src.numel(),
+        "object_store_bytes": store,
+        "floor_two_copies_s": statistics.median(floors[steady]),
+        "floor_s_all": floors,
+        "push_s_all": times,
+        "put_s_all": puts,  # until every bucket is in the store; the rest is the actors' verify, prepare, commit
+        "push_s_median": statistics.median(times[steady]),
+        "put_s_median": statistics.median(puts[steady]),
+        "sync_efficiency": statistics.median(ratios),
+        "sync_efficiency_range": (ratios[0], ratios[-1]),
+    }
+
+
+def print_defaults_report(r: dict) -> None:
+    store = r["object_store_bytes"]
+    print(f"state dict: {r['bytes'] / 2**20:.0f} MiB float32, rollout.init(path, num_actors=2) defaults")
+    print(f"object store available after start: {store / 2**20:.0f} MiB" if store else "object store: unknown")
+    print(f"pushes 1-3:                    {', '.join(f'{t * 1000:.0f}' for t in r['push_s_all'][:3])} ms")
+    steady = r["push_s_all"][3:]
+    print(
+        f"pushes 4-{len(r['push_s_all'])}: median {r['push_s_median'] * 1000:.1f} ms "
+        f"(range {min(steady) * 1000:.0f}-{max(steady) * 1000:.0f}); "
+        f"floor (two in-memory copies) {r['floor_two_copies_s'] * 1000:.1f} ms"
+    )
+    print(
+        f"of which in the store after {r['put_s_median'] * 1000:.1f} ms (median); "
+        f"the actors' verify, prepare and commit take the rest"
+    )
+    low, high = r["sync_efficiency_range"]
+    print(f"sync_efficiency (pushes 4 on) = {r['sync_efficiency']:.3f} (range {low:.3f}-{high:.3f})")
 
 
 def timed_pushes(cluster, states, floor: CopyFloor, args) -> dict:
@@ -192,7 +253,10 @@ def print_report(r: dict, bucket_mb: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench_sync", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pushes", type=int, default=10, help="timed pushes")
+    parser.add_argument(
+        "--defaults", action="store_true", help="rollout.init(path, num_actors=2) as a user would; pushes only"
+    )
+    parser.add_argument("--pushes", type=int, default=None, help="timed pushes (10; with --defaults all 12)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed pushes after the first")
     parser.add_argument(
         "--store-mb", type=int, default=1536, help="object store size: room for the live and the next version"
@@ -200,11 +264,20 @@ def main() -> None:
     parser.add_argument("--pause-pushes", type=int, default=3, help="pushes during generation")
     parser.add_argument("--no-naive", dest="naive", action="store_false", help="skip the slow naive baseline")
     parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench_sync.json"))
+    parser.add_argument("--out", type=Path, default=None, help="runs/bench_sync.json (--defaults: _defaults.json)")
     args = parser.parse_args()
+    if args.defaults:
+        args.pushes = args.pushes or 12
+        if args.pushes < 4:
+            parser.error("--defaults needs at least 4 pushes: the steady state starts at the fourth")
+        results = default_pushes(args)
+        print_defaults_report(results)
+        write_json(args.out or Path("runs/bench_sync_defaults.json"), results)
+        return
+    args.pushes = args.pushes or 10
     results = run(args)
     print_report(results, args.bucket_mb)
-    write_json(args.out, results)
+    write_json(args.out or Path("runs/bench_sync.json"), results)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ class RolloutCluster:
         gate = PushGate()
         self._pool = ActorPool(self.model_path, dict(engine_kwargs), generate_concurrency, timeout_s, gate)
         self._pushes = WeightPushes(self._pool, packer, self._versions, gate, stall_timeout_s)
-        self._owns_ray = connect(address, ray_init_kwargs)
+        self._owns_ray = connect(address, ray_init_kwargs, self.model_path, engine_kwargs.get("dtype", "float32"))
         try:
             desc = self._pool.start(num_actors, num_cpus_per_actor, num_gpus_per_actor)
         except BaseException:

@@ -4,8 +4,11 @@ made, so `import rollout` never needs Ray."""
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..outputs import RolloutOutput
@@ -30,24 +33,136 @@ def ray_module():
     return ray
 
 
-def connect(address: str | None, init_kwargs: dict | None) -> bool:
+def connect(address: str | None, init_kwargs: dict | None, model_path=None, dtype="float32") -> bool:
     """Make sure this process is connected to Ray; returns True if this call started it.
 
     address None: reuse this process's connection, else join `RAY_ADDRESS`
     when set, else start a local instance. "auto", "HOST:PORT" or
     "ray://..." join a running cluster. A local start is explicit
     (`address="local"`): a plain `ray.init()` would try to join whatever
-    `ray start` last ran on this machine, even after it stopped.
+    `ray start` last ran on this machine, even after it stopped. A local
+    start sizes and preallocates the object store for `model_path`'s weights
+    at `dtype` (`local_store_kwargs`); `init_kwargs` win over that.
     """
     ray = ray_module()
     if ray.is_initialized():
         return False
     kwargs = {"include_dashboard": False, "log_to_driver": True, **(init_kwargs or {})}
     if address is None and not os.environ.get("RAY_ADDRESS"):
-        ray.init(address="local", **kwargs)
-        return True
+        address = "local"
+    if address == "local":
+        kwargs = local_store_kwargs(kwargs, model_path, dtype)
     ray.init(address=address or os.environ["RAY_ADDRESS"], **kwargs)
     return True
+
+
+# Object store sizing for a local start. Ray's default store (30% of
+# available memory) is neither sized for the weights nor preallocated: each
+# process faults in the store's pages the first time it touches them, and a
+# large store keeps handing pushes fresh pages. A store that holds two
+# versions of the weights (the live one and the next push) plus headroom,
+# preallocated when Ray starts, reuses the same warm pages on every push
+# (docs/weight_sync.md#sizing-the-object-store).
+STORE_VERSIONS = 2
+STORE_HEADROOM_MIN = 256 * 2**20  # room for anything else put while two versions are live
+STORE_MEMORY_SHARE = 0.3  # at most Ray's own default share of available memory
+STORE_SHM_SHARE = 0.95  # Ray's margin below /dev/shm's free space
+STORE_MINIMUM = 75 * 2**20  # Ray refuses a smaller store
+
+_SAFETENSORS_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+_FLOATING = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def weights_bytes(model_path, dtype="float32") -> int | None:
+    """Bytes of the checkpoint's state dict once floating tensors are cast to
+    `dtype`, read from the safetensors headers alone; None when the path holds
+    no safetensors on this machine. A tied `lm_head.weight` is not counted: a
+    push sends it once, as the embedding."""
+    import torch
+
+    path = Path(model_path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return None
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(dtype, torch.dtype):
+        return None  # the engine names the bad dtype when it starts
+    itemsize = dtype.itemsize
+    tied = False
+    if (path / "config.json").is_file():
+        tied = bool(json.loads((path / "config.json").read_text()).get("tie_word_embeddings", False))
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for name, entry in header.items():
+            if name == "__metadata__" or (tied and name == "lm_head.weight"):
+                continue
+            numel = 1
+            for dim in entry["shape"]:
+                numel *= dim
+            kind = entry["dtype"]
+            total += numel * (itemsize if kind in _FLOATING else _SAFETENSORS_BYTES.get(kind, 8))
+    return total
+
+
+def store_bytes(weights: int, available: int, shm_free: int | None) -> int:
+    """Object store size for `weights` bytes of weights: two versions plus
+    headroom (the larger of half a version and `STORE_HEADROOM_MIN`), capped
+    at `STORE_MEMORY_SHARE` of `available` memory and `STORE_SHM_SHARE` of
+    /dev/shm's free bytes (None: no /dev/shm), never below Ray's minimum."""
+    want = STORE_VERSIONS * weights + max(weights // 2, STORE_HEADROOM_MIN)
+    cap = int(available * STORE_MEMORY_SHARE)
+    if shm_free is not None:
+        cap = min(cap, int(shm_free * STORE_SHM_SHARE))
+    return max(min(want, cap), STORE_MINIMUM)
+
+
+def _memory_available() -> int:
+    """This machine's available memory in bytes (Ray's own measure, cgroup limits included)."""
+    try:
+        from ray._private.utils import estimate_available_memory
+    except ImportError:  # a private helper: fall back to the kernel's figure
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return estimate_available_memory()
+
+
+def _shm_free() -> int | None:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bsize * st.f_bavail
+
+
+def local_store_bytes(model_path, dtype="float32") -> int | None:
+    """`store_bytes` for `model_path`'s weights on this machine; None when they cannot be read here."""
+    weights = None if model_path is None else weights_bytes(model_path, dtype)
+    return None if weights is None else store_bytes(weights, _memory_available(), _shm_free())
+
+
+def local_store_kwargs(kwargs: dict, model_path, dtype="float32") -> dict:
+    """`ray.init` keywords for a local start: `kwargs` with an object store
+    sized by `store_bytes` for `model_path`'s weights and preallocated, unless
+    `kwargs` sets `object_store_memory` itself (then its store is left as Ray
+    makes it) or the weights cannot be read here. Keys of `kwargs` and of its
+    `_system_config` win over these defaults."""
+    if "object_store_memory" in kwargs:
+        return kwargs
+    size = local_store_bytes(model_path, dtype)
+    if size is None:
+        return kwargs
+    system = {"preallocate_plasma_memory": True, **(kwargs.get("_system_config") or {})}
+    if "RAY_preallocate_plasma_memory" in os.environ:  # the user's own setting
+        system.pop("preallocate_plasma_memory")
+    out = {**kwargs, "object_store_memory": size}
+    if system:
+        out["_system_config"] = system
+    return out
 
 
 def plan_placement(num_actors: int, cpus: int | None, gpus: int | None) -> Placement:
