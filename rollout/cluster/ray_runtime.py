@@ -5,8 +5,8 @@ made, so `import rollout` never needs Ray."""
 from __future__ import annotations
 
 import json
+import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,45 +69,38 @@ STORE_MEMORY_SHARE = 0.3  # at most Ray's own default share of available memory
 STORE_SHM_SHARE = 0.95  # Ray's margin below /dev/shm's free space
 STORE_MINIMUM = 75 * 2**20  # Ray refuses a smaller store
 
-_SAFETENSORS_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}  # fmt: skip
-_FLOATING = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
-
 
 def weights_bytes(model_path, dtype="float32") -> int | None:
-    """Bytes of the checkpoint's state dict once floating tensors are cast to
-    `dtype`, read from the safetensors headers alone; None when the path holds
-    no safetensors on this machine. A tied `lm_head.weight` is not counted: a
-    push sends it once, as the embedding."""
+    """Bytes a push of the checkpoint's weights carries at `dtype`, read from
+    the safetensors headers alone; None when the path holds no safetensors on
+    this machine. Only floating tensors are pushed (the engine refuses
+    others), and a tied `lm_head.weight` travels once, as the embedding."""
     import torch
+    from safetensors import safe_open
+
+    from ..model.loader import checkpoint_files
 
     path = Path(model_path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:
-        return None
     dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(dtype, torch.dtype):
-        return None  # the engine names the bad dtype when it starts
-    itemsize = dtype.itemsize
-    tied = False
-    if (path / "config.json").is_file():
-        tied = bool(json.loads((path / "config.json").read_text()).get("tie_word_embeddings", False))
-    total = 0
+    if not path.is_dir() or not isinstance(dtype, torch.dtype):
+        return None  # the engine names a bad dtype or path when it starts
+    try:
+        files = checkpoint_files(path)
+    except ValueError:
+        return None
+    config = path / "config.json"
+    tied = config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
+    numel = 0
     for file in files:
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, entry in header.items():
-            if name == "__metadata__" or (tied and name == "lm_head.weight"):
-                continue
-            numel = 1
-            for dim in entry["shape"]:
-                numel *= dim
-            kind = entry["dtype"]
-            total += numel * (itemsize if kind in _FLOATING else _SAFETENSORS_BYTES.get(kind, 8))
-    return total
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                entry = f.get_slice(name)
+                if entry.get_dtype() in _FLOATING and not (tied and name == "lm_head.weight"):
+                    numel += math.prod(entry.get_shape())
+    return numel * dtype.itemsize
+
+
+_FLOATING = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}  # safetensors' names of floating dtypes
 
 
 def store_bytes(weights: int, available: int, shm_free: int | None) -> int:

@@ -18,7 +18,7 @@ MiB, GiB = 2**20, 2**30
 
 @pytest.fixture
 def checkpoint(tmp_path):
-    """Two shards: 200 bf16 + 5 float32 + 3 int64 elements, and a tied lm_head that a push never sends."""
+    """Two shards: 200 bf16 + 5 float32 elements; 3 int64 ones and a tied lm_head, which a push never sends."""
     save_file(
         {"a.weight": torch.zeros(10, 20, dtype=torch.bfloat16), "b.bias": torch.zeros(5)},
         str(tmp_path / "model-00001-of-00002.safetensors"),
@@ -32,14 +32,14 @@ def checkpoint(tmp_path):
 
 
 def test_weights_bytes_casts_floating_tensors_to_the_engine_dtype(checkpoint):
-    assert weights_bytes(checkpoint, "float32") == 200 * 4 + 5 * 4 + 3 * 8
-    assert weights_bytes(checkpoint, "bfloat16") == 200 * 2 + 5 * 2 + 3 * 8
-    assert weights_bytes(checkpoint, torch.float16) == 200 * 2 + 5 * 2 + 3 * 8
+    assert weights_bytes(checkpoint, "float32") == 200 * 4 + 5 * 4
+    assert weights_bytes(checkpoint, "bfloat16") == 200 * 2 + 5 * 2
+    assert weights_bytes(checkpoint, torch.float16) == 200 * 2 + 5 * 2
 
 
 def test_weights_bytes_counts_an_untied_lm_head(checkpoint):
     (checkpoint / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
-    assert weights_bytes(checkpoint, "float32") == 2 * 200 * 4 + 5 * 4 + 3 * 8
+    assert weights_bytes(checkpoint, "float32") == 2 * 200 * 4 + 5 * 4
 
 
 def test_weights_bytes_is_none_without_local_safetensors(tmp_path):
@@ -72,7 +72,7 @@ def test_local_store_kwargs_sizes_and_preallocates(checkpoint, machine):
     kwargs = local_store_kwargs({"num_cpus": 2}, checkpoint, "float32")
     assert kwargs == {
         "num_cpus": 2,
-        "object_store_memory": 2 * 844 + 256 * MiB,
+        "object_store_memory": 2 * 820 + 256 * MiB,
         "_system_config": {"preallocate_plasma_memory": True},
     }
 
@@ -82,7 +82,7 @@ def test_user_kwargs_win(checkpoint, machine, monkeypatch):
     assert local_store_kwargs(mine, checkpoint, "float32") == mine  # their store, left as Ray makes it
     theirs = local_store_kwargs({"_system_config": {"preallocate_plasma_memory": False, "x": 1}}, checkpoint)
     assert theirs["_system_config"] == {"preallocate_plasma_memory": False, "x": 1}
-    assert theirs["object_store_memory"] == 2 * 844 + 256 * MiB
+    assert theirs["object_store_memory"] == 2 * 820 + 256 * MiB
     monkeypatch.setenv("RAY_preallocate_plasma_memory", "0")
     assert "_system_config" not in local_store_kwargs({}, checkpoint)
     assert local_store_kwargs({}, checkpoint / "elsewhere") == {}  # not readable here: Ray's defaults
@@ -107,7 +107,7 @@ def test_connect_sizes_a_local_start(checkpoint, machine, monkeypatch, address):
     assert connect(address, {"log_to_driver": False}, checkpoint, "bfloat16")
     (call,) = fake.calls
     assert call["address"] == "local" and call["log_to_driver"] is False
-    assert call["object_store_memory"] == 2 * 434 + 256 * MiB
+    assert call["object_store_memory"] == 2 * 410 + 256 * MiB
     assert call["_system_config"] == {"preallocate_plasma_memory": True}
 
 
