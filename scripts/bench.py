@@ -58,12 +58,12 @@ engine = rollout.Engine(sys.argv[1], device="cpu")
 loaded = time.perf_counter()
 engine.generate([[1, 2, 3, 4]], rollout.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
 done = time.perf_counter()
-status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-kib = lambda key: int(status[key].split()[0]) * 1024
+from rollout.cluster.host import resident_bytes
 print(json.dumps(dict(
     import_s=imported - start, engine_s=loaded - imported, generate_s=done - loaded, total_s=done - start,
-    rss_bytes=kib("VmRSS"), peak_rss_bytes=kib("VmHWM"), kv_cache_tokens=engine.config.kv_cache_tokens,
-    kv_pool_bytes=engine.kv_pool.nbytes, kernels=engine.config.kernels, gemm=engine.model.gemm,
+    rss_bytes=resident_bytes("VmRSS"), peak_rss_bytes=resident_bytes("VmHWM"),
+    kv_cache_tokens=engine.config.kv_cache_tokens, kv_pool_bytes=engine.kv_pool.nbytes,
+    kernels=engine.config.kernels, gemm=engine.model.gemm,
 )))
 """
 

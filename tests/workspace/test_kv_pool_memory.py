@@ -8,20 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollout.cluster.host import resident_bytes
 from workspace import KVPool
 from workspace.kv_pool import zero_pages
 
 MiB = 1 << 20
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 def test_a_large_pool_is_not_resident_until_written():
