@@ -121,9 +121,6 @@ class Request:
         )
         return RequestResult(tuple(self.prompt_token_ids), self.prompt, samples)
 
-    def to_output(self, decode, index: int | None = None) -> RolloutOutput:
-        return self.result().to_output(decode, index)
-
 
 @dataclass(frozen=True, slots=True)
 class SampleResult:

@@ -129,4 +129,4 @@ def test_finish_takes_only_the_reasons_a_sample_can_report():
         sched.finish(seq, "timeout")
     assert not seq.is_finished and sched.running == [seq]  # refused before anything changed
     sched.finish(seq, "abort")
-    assert seq.finish_reason in FINISH_REASONS and req.to_output(None).samples[0].finish_reason == "abort"
+    assert seq.finish_reason in FINISH_REASONS and req.result().to_output(None).samples[0].finish_reason == "abort"
