@@ -14,6 +14,7 @@ from .cluster import (
     init,
     policy_version,
     push_weights,
+    session,
     shutdown,
     submit,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "init",
     "policy_version",
     "push_weights",
+    "session",
     "shutdown",
     "submit",
     "INFLIGHT_MODES",

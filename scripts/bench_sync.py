@@ -2,9 +2,11 @@
 Qwen2-shaped model (the `bench-sync` preset of scripts/presets.py: vocab
 32000, hidden 1024, intermediate 2816, 8 layers, 16 heads, 8 KV heads, tied)
 to 2 rollout actors, against two in-memory copies of the same bytes timed in
-the same run, and the naive `ray.put` of the dict. Also the longest pause in
-token production during a push against the median decode step, while both
-actors generate.
+the same run, and the naive `ray.put` of the dict. Then, for each in-flight
+mode (`recompute`, the default, `keep`, `drain`, `restart`), pushes while both
+actors decode a GRPO-shaped batch: the longest pause in token production, the
+time until every sequence runs again, and the tokens recomputed and thrown
+away per push.
 
     python -m scripts.bench_sync [--pushes 10] [--warmup 3] [--out runs/bench_sync.json]
     python -m scripts.bench_sync --defaults [--pushes 12] [--out runs/bench_sync_defaults.json]
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 import rollout
-from rollout import SamplingParams, generation_pause
+from rollout import INFLIGHT_MODES, SamplingParams, generation_pause
 from scripts.bench import write_json
 from scripts.synthetic import qwen2_config, random_state, write_checkpoint
 
@@ -60,20 +62,6 @@ def naive_push_seconds(state: dict[str, torch.Tensor], actors) -> float:
     ref = ray.put(state)
     ray.get([a.remote(ref) for a in actors])
     return time.perf_counter() - start
-
-
-def longest_pause(cluster, windows: list[tuple[float, float]]) -> dict:
-    """Largest gap between consecutive steps of any actor overlapping a push, and the median gap."""
-    logs = cluster.step_logs()
-    gaps = [b.end_time - a.end_time for log in logs for a, b in zip(log, log[1:], strict=False)]
-    longest = max(generation_pause(logs, start, end) for start, end in windows)
-    median = statistics.median(gaps)
-    return {
-        "median_step_s": median,
-        "longest_pause_s": longest,
-        "pause_in_steps": longest / median,
-        "push_while_generating_s": statistics.median(end - start for start, end in windows),
-    }
 
 
 def start_cluster(args):
@@ -195,34 +183,110 @@ def run(args) -> dict:
     pushes = timed_pushes(cluster, states, floor, args)
     fetch = ray.remote(num_cpus=0)(lambda ref: len(ref)).options
     naive = naive_push_seconds(states[0], [fetch(), fetch()]) if args.naive else None
-    pause = measure_pause(cluster, states, args.pause_pushes)
+    modes = measure_modes(cluster, states, args.pause_pushes)
     rollout.shutdown()
+    keep = modes["modes"]["keep"]
     return {
         "bytes": nbytes,
         **pushes,
         "gb_per_s": nbytes / pushes["push_s_median"] / 1e9,
         "naive_put_dict_s": naive,
         "naive_sync_efficiency": pushes["floor_two_copies_s"] / naive if naive else None,
-        **pause,
+        "median_step_s": modes["median_step_s"],
+        "longest_pause_s": keep["longest_gap_s"],
+        "pause_in_steps": keep["longest_gap_s"] / modes["median_step_s"],
+        "push_while_generating_s": keep["push_s"],
+        "inflight_modes": modes,
     }
 
 
-def measure_pause(cluster, states, pushes: int) -> dict:
-    prompts = [[5 + i, 6, 7, 8] for i in range(16)]
-    handle = cluster.submit(prompts, SamplingParams(n=4, max_tokens=400, ignore_eos=True))
-    deadline = time.monotonic() + 120
-    while not all(h.get("running", 0) for h in cluster.health()):
-        assert time.monotonic() < deadline, "actors never started generating"
-        time.sleep(0.05)
-    time.sleep(1.0)  # steady-state decode before the first push
-    windows = []
-    for k in range(pushes):
-        start = time.time()
-        cluster.push_weights(states[k % 2], inflight="keep")
-        windows.append((start, time.time()))
-        time.sleep(0.5)
-    handle.result(600)
-    return longest_pause(cluster, windows)
+MODE_PROMPT_TOKENS = 96  # a GRPO-like prompt: recompute shares its full pages across the group
+MODE_WORKLOAD = dict(prompts=16, n=4, max_tokens=160)
+
+
+def _counters(cluster) -> tuple[int, int]:
+    health = cluster.health()
+    return sum(h["recomputed_tokens"] for h in health), sum(h["discarded_tokens"] for h in health)
+
+
+def _recovery(cluster, since: float, version: int, timeout: float = 300.0) -> float:
+    """Per actor, from its last step under the old weights to its first step under
+    `version` that finds no sequence waiting (every in-flight one runs again); the
+    longest. Waits, bounded, until every actor is back."""
+    deadline = time.monotonic() + timeout
+    while True:
+        spans = []
+        for log in cluster.step_logs(since):
+            old = [info.end_time for info in log if info.version < version]
+            back = [info.end_time for info in log if info.version >= version and info.num_waiting == 0]
+            spans.append(back[0] - old[-1] if old and back else None)
+        if spans and None not in spans:
+            return max(spans)
+        assert time.monotonic() < deadline, f"actors not back to steady decoding {timeout} s after a push"
+        time.sleep(0.1)
+
+
+def measure_modes(cluster, states, pushes: int) -> dict:
+    """For each in-flight mode, `pushes` pushes while both actors decode a
+    GRPO-shaped batch: the push's latency, the longest gap between steps
+    during it, the time until every sequence runs again, and the tokens
+    recomputed and thrown away per push."""
+    prompts = [[5 + i] + list(range(10, 10 + MODE_PROMPT_TOKENS - 1)) for i in range(MODE_WORKLOAD["prompts"])]
+    params = SamplingParams(n=MODE_WORKLOAD["n"], max_tokens=MODE_WORKLOAD["max_tokens"], ignore_eos=True)
+    report = {}
+    for mode in INFLIGHT_MODES:
+        recomputed, discarded = _counters(cluster)
+        began = time.time()
+        handle = cluster.submit(prompts, params)
+        deadline = time.monotonic() + 120
+        while not all(h.get("running", 0) for h in cluster.health()):
+            assert time.monotonic() < deadline, "actors never started generating"
+            time.sleep(0.05)
+        time.sleep(1.0)  # steady-state decode before the first push
+        windows, recoveries = [], []
+        for k in range(pushes):
+            start = time.time()
+            version = cluster.push_weights(states[k % 2], inflight=mode)
+            windows.append((start, time.time()))
+            if mode != "drain":
+                recoveries.append(_recovery(cluster, start - 5.0, version))
+                time.sleep(0.5)
+        handle.result(600)
+        wall = time.time() - began
+        logs = cluster.step_logs(began)
+        after = _counters(cluster)
+        report[mode] = {
+            "push_s": statistics.median(end - start for start, end in windows),
+            "push_s_max": max(end - start for start, end in windows),
+            "longest_gap_s": max(generation_pause(logs, start, end) for start, end in windows),
+            "recovery_s": max(recoveries) if recoveries else None,
+            "recomputed_tokens_per_push": (after[0] - recomputed) / pushes,
+            "discarded_tokens_per_push": (after[1] - discarded) / pushes,
+            "workload_s": wall,
+        }
+    gaps = [b.end_time - a.end_time for log in cluster.step_logs() for a, b in zip(log, log[1:], strict=False)]
+    return {"median_step_s": statistics.median(gaps), "modes": report}
+
+
+def print_modes(r: dict) -> None:
+    w = MODE_WORKLOAD
+    print(
+        f"in-flight modes, {w['prompts']} prompts of {MODE_PROMPT_TOKENS} tokens x n={w['n']}, "
+        f"{w['max_tokens']} tokens each, a push 0.5 s after the last one's recovery; "
+        f"median decode step {r['median_step_s'] * 1000:.1f} ms"
+    )
+    head = ("mode", "push ms", "gap ms", "back ms", "recomputed", "discarded", "batch s")
+    print(f"{head[0]:10} " + " ".join(f"{h:>10}" for h in head[1:]))
+    for mode, m in r["modes"].items():
+        back = f"{m['recovery_s'] * 1000:10.0f}" if m["recovery_s"] is not None else f"{'-':>10}"
+        print(
+            f"{mode:10} {m['push_s_max'] * 1000:10.0f} {m['longest_gap_s'] * 1000:10.0f} {back} "
+            f"{m['recomputed_tokens_per_push']:10.0f} {m['discarded_tokens_per_push']:10.0f} {m['workload_s']:10.1f}"
+        )
+    print(
+        "push: the longest push; gap: longest time between two steps of an actor during a push; back: from "
+        "an actor's last step on the old weights until no sequence waits; recomputed/discarded: tokens per push"
+    )
 
 
 def print_report(r: dict, bucket_mb: int) -> None:
@@ -261,7 +325,7 @@ def main() -> None:
     parser.add_argument(
         "--store-mb", type=int, default=1536, help="object store size: room for the live and the next version"
     )
-    parser.add_argument("--pause-pushes", type=int, default=3, help="pushes during generation")
+    parser.add_argument("--pause-pushes", type=int, default=3, help="pushes during generation, per in-flight mode")
     parser.add_argument("--no-naive", dest="naive", action="store_false", help="skip the slow naive baseline")
     parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB")
     parser.add_argument("--out", type=Path, default=None, help="runs/bench_sync.json (--defaults: _defaults.json)")
@@ -277,6 +341,7 @@ def main() -> None:
     args.pushes = args.pushes or 10
     results = run(args)
     print_report(results, args.bucket_mb)
+    print_modes(results["inflight_modes"])
     write_json(args.out or Path("runs/bench_sync.json"), results)
 
 

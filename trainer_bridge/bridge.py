@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from rollout import Engine, RolloutCluster, RolloutOutput, SamplingParams, generation_pause
+from rollout.episodes import Episode
 
 from .batch import RolloutBatch
 from .names import export_state_dict
@@ -28,6 +29,20 @@ class PendingRollout:
         self.started = started
 
     def result(self, timeout: float | None = None) -> list[RolloutOutput]:
+        return self._wait(timeout)
+
+
+class PendingEpisodes:
+    """Episodes started by `TrainerBridge.submit_episodes`; hand it to `collect`."""
+
+    def __init__(self, envs, params: SamplingParams, wait, started: float, group_size: int) -> None:
+        self.envs = envs
+        self.params = params
+        self._wait = wait  # timeout -> list[Episode]
+        self.started = started
+        self.group_size = group_size
+
+    def result(self, timeout: float | None = None) -> list[Episode]:
         return self._wait(timeout)
 
 
@@ -119,8 +134,23 @@ class TrainerBridge:
             return PendingRollout(prompts, params, handle.result, started)
         return PendingRollout(prompts, params, _in_thread(self.target.generate, prompts, params), started)
 
-    def collect(self, pending: PendingRollout, timeout: float | None = None) -> RolloutBatch:
+    def submit_episodes(
+        self, envs, params: SamplingParams | None = None, max_turns: int = 8, group_size: int = 1
+    ) -> PendingEpisodes:
+        """Start one multi-turn episode per environment (`run_episodes` on the
+        engine or cluster) and return at once; `collect` batches them, one row
+        per episode, episodes `[g * group_size, (g + 1) * group_size)` forming
+        GRPO group g."""
+        params = SamplingParams() if params is None else params
+        if len(envs) % group_size:
+            raise ValueError(f"group_size must divide the {len(envs)} environments, got {group_size}")
+        wait = _in_thread(self.target.run_episodes, envs, params, max_turns)
+        return PendingEpisodes(envs, params, wait, time.perf_counter(), group_size)
+
+    def collect(self, pending: PendingRollout | PendingEpisodes, timeout: float | None = None) -> RolloutBatch:
         """Wait for `pending`, apply the staleness policy, and batch the result."""
+        if isinstance(pending, PendingEpisodes):
+            return self._collect_episodes(pending, timeout)
         outputs = pending.result(timeout)
         submitted = len(outputs)
         for _ in range(self.policy.max_regenerations + 1):
@@ -146,7 +176,24 @@ class TrainerBridge:
             self._log_batch(batch, pending, submitted - len(outputs))
         return batch
 
-    def _log_batch(self, batch: RolloutBatch, pending: PendingRollout, dropped: int) -> None:
+    def _collect_episodes(self, pending: PendingEpisodes, timeout: float | None) -> RolloutBatch:
+        """Episodes cannot be regenerated (their environments moved on): a group
+        with a token staler than the bound is dropped, whatever `stale` says."""
+        episodes = pending.result(timeout)
+        current, k = self.policy_version, pending.group_size
+        groups = [episodes[g : g + k] for g in range(0, len(episodes), k)]
+        bound = self.policy.max_staleness
+        kept = [
+            g for g in groups if bound is None or all(current - v <= bound for e in g for v in e.versions if v >= 0)
+        ]
+        if not kept:
+            raise ValueError(f"every episode group was staler than max_staleness={bound} and was dropped")
+        batch = RolloutBatch.from_episodes([e for g in kept for e in g], pending.params, current, k, self.pad_token_id)
+        if self.metrics is not None:
+            self._log_batch(batch, pending, len(groups) - len(kept))
+        return batch
+
+    def _log_batch(self, batch: RolloutBatch, pending: PendingRollout | PendingEpisodes, dropped: int) -> None:
         tokens = int(batch.response_mask.sum())
         elapsed = time.perf_counter() - pending.started
         self._log(

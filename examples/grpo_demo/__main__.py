@@ -1,7 +1,7 @@
 """GRPO on an embedded local Ray cluster: a tiny model learns a rule from a
 programmatic reward, with a weight push after every optimizer step.
 
-    python -m examples.grpo_demo [--steps 80] [--actors 2] [--out runs/demo] [--no-wandb]
+    python -m examples.grpo_demo [--steps 80] [--actors 2] [--out runs/demo] [--no-wandb] [--task rule|tool]
 """
 
 from __future__ import annotations
@@ -15,14 +15,26 @@ from examples.grpo_demo.trainer import DemoConfig, run
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m examples.grpo_demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=80, help="optimizer steps, one weight push each")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps, one weight push each (80; --task tool: 150)"
+    )
     parser.add_argument("--actors", type=int, default=2, help="rollout actors")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"))
     parser.add_argument("--no-wandb", action="store_true", help="no wandb run (offline by default)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--task",
+        choices=("rule", "tool"),
+        default="rule",
+        help="rule: one turn; tool: multi-turn, ask the environment for a secret digit, then answer",
+    )
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 150 if args.task == "tool" else 80
     summary = run(
-        DemoConfig(steps=args.steps, actors=args.actors, out=args.out, wandb=not args.no_wandb, seed=args.seed)
+        DemoConfig(
+            steps=args.steps, actors=args.actors, out=args.out, wandb=not args.no_wandb, seed=args.seed, task=args.task
+        )
     )
     print(json.dumps(summary, indent=2))
     print(f"wrote {args.out / 'summary.json'} and {args.out / 'reward.png'}")

@@ -21,23 +21,24 @@ SYMBOLS = [str(d) for d in range(10)] + [">", "+", "="]
 ANSWER_TOKENS = 4
 
 
-def make_task_model(path: Path, seed: int):
-    """Write a random tiny Llama checkpoint and its tokenizer to `path`; return the transformers model."""
+def make_task_model(path: Path, seed: int, symbols: list[str] = SYMBOLS):
+    """Write a random tiny Llama checkpoint and its tokenizer (one token per
+    symbol of `symbols`) to `path`; return the transformers model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**preset("grpo-demo")))
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    write_tokenizer(path)
+    write_tokenizer(path, symbols)
     return model
 
 
-def write_tokenizer(path: Path) -> None:
+def write_tokenizer(path: Path, symbols: list[str] = SYMBOLS) -> None:
     """A word-level tokenizer with one token per symbol, `<s>` put in front of every prompt."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + SYMBOLS)}
+    vocab = {t: i for i, t in enumerate(SPECIALS + symbols)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()

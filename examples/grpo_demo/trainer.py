@@ -27,6 +27,8 @@ from trainer_bridge.grpo import clipped_policy_loss, group_advantages
 from trainer_bridge.logprobs import logprob_mismatch, token_logprobs
 from trainer_bridge.metrics import Metrics
 
+TASKS = ("rule", "tool")
+
 
 @dataclass(slots=True)
 class DemoConfig:
@@ -40,10 +42,13 @@ class DemoConfig:
     clip: float = 0.2
     max_staleness: int = 1
     seed: int = 0
+    task: str = "rule"  # "rule": one turn (task.py); "tool": ask, then answer (tool.py)
 
     def __post_init__(self) -> None:
         for name in ("steps", "actors", "prompts_per_step", "n"):
             check_int(name, getattr(self, name), 1)
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         self.out = Path(self.out)
 
 
@@ -53,7 +58,11 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
     cfg.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)  # the actors have the other cores
-    model = task.make_task_model(cfg.out / "checkpoint", cfg.seed)
+    from examples.grpo_demo import tool
+
+    symbols = tool.SYMBOLS if cfg.task == "tool" else task.SYMBOLS
+    train = tool.train if cfg.task == "tool" else _train
+    model = task.make_task_model(cfg.out / "checkpoint", cfg.seed, symbols)
     metrics = Metrics(project="rollout-demo", config=_jsonable(cfg), dir=cfg.out, enabled=cfg.wandb)
     cluster = rollout.init(
         cfg.out / "checkpoint",
@@ -67,7 +76,7 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
     )
     start = time.perf_counter()
     try:
-        rows = _train(
+        rows = train(
             cfg, model, TrainerBridge(cluster, max_staleness=cfg.max_staleness, metrics=metrics), metrics, progress
         )
     finally:
@@ -153,6 +162,7 @@ def _summary(rows: list[dict], seconds: float) -> dict:
         "weight_pushes": len(rows),
         "max_staleness_seen": max(r["staleness_max"] for r in rows),
         "mean_abs_logprob_mismatch": sum(r["mismatch_mean_abs"] for r in rows) / len(rows),
+        **({"ask_rate_end": sum(r["ask_rate"] for r in rows[-window:]) / window} if "ask_rate" in rows[0] else {}),
         "seconds": seconds,
     }
 

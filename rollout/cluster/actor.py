@@ -20,11 +20,14 @@ from ..engine.engine import Engine
 from ..engine.requests import PromptLimits
 from ..engine.weight_update import StagedUpdate, all_finite
 from ..model.weight_slots import WeightSlot
-from ..outputs import RolloutOutput
+from ..outputs import RolloutOutput, Sample
 from ..sampling_params import SamplingParams
+from .actor_sessions import EngineSessions
 from .host import cap_malloc_arenas, lower_thread_priority, resident_bytes, touch_pages
 from .wire import Manifest, TensorEntry
 from .wire_receive import VerifyShare, assemble, unpack, unpack_entries, verification_shares, verify_entries
+
+FAULTABLE = ("prepare_push", "generate_stream", "session_turn")  # methods `inject_fault` can make fail
 
 
 def check_bucket(bucket: np.ndarray, entries: tuple[TensorEntry, ...], checksums: bool = True) -> None:
@@ -70,6 +73,7 @@ class RolloutWorker:
             torch.set_num_threads(num_threads)
         cap_malloc_arenas()
         self.engine = Engine(model_path, **engine_kwargs)
+        self._sessions = EngineSessions(self.engine)
         self._incoming: dict[str, dict[int, tuple[tuple[TensorEntry, ...], np.ndarray]]] = {}
         self._prepared: dict[str, tuple[StagedUpdate, tuple[np.ndarray, ...]]] = {}
         self._lock = threading.Lock()
@@ -94,6 +98,7 @@ class RolloutWorker:
             "limits": PromptLimits.of(self.engine.config, self.engine.model_config),
             "eos_token_ids": codec.eos_token_ids if codec else self.engine.model_config.eos_token_ids,
             "tokenizer_json": codec.to_json() if codec else None,
+            "chat": codec.chat_parts() if codec else None,
             "pid": os.getpid(),
             "version": self.engine.policy_version,
             "dtype": str(self.engine.config.dtype).removeprefix("torch."),
@@ -118,6 +123,17 @@ class RolloutWorker:
         for i, out in self.engine.generate_iter(prompts, params):
             out.index = indices[i]
             yield out
+
+    def session_turn(self, session_id: str, token_ids: list[int], params: SamplingParams) -> Sample:
+        """One turn of the driver's session `session_id` from its whole
+        trajectory `token_ids`, reusing the KV of its last turn here when
+        there is one (`actor_sessions.EngineSessions`)."""
+        self._raise_injected("session_turn")
+        return self._sessions.turn(session_id, token_ids, params)
+
+    def session_close(self, session_id: str) -> None:
+        """Close the engine session kept for `session_id`, if any."""
+        self._sessions.close(session_id)
 
     def stage_bucket(
         self,
@@ -200,7 +216,8 @@ class RolloutWorker:
             self.engine.discard_weights(entry[0])
 
     def health(self) -> dict:
-        """Version, scheduler and KV usage, copied buckets and resident memory of this actor."""
+        """Version, scheduler and KV usage, computed and recompute counters, sessions, copied buckets and
+        resident memory of this actor."""
         stats = self.engine.stats()
         return {
             "pid": os.getpid(),
@@ -209,6 +226,11 @@ class RolloutWorker:
             "waiting": len(self.engine.scheduler.waiting),
             "kv_pages_used": stats["kv_pages_used"],
             "kv_pages_total": stats["kv_pages_total"],
+            "computed_tokens": stats["computed_tokens"],
+            "recomputed_tokens": stats["recomputed_tokens"],
+            "discarded_tokens": stats["discarded_tokens"],
+            "sessions": self._sessions.num_kept,  # kept between turns
+            "session_turns": self._sessions.num_running,
             "buckets_copied": self._buckets_copied,
             "rss_bytes": resident_bytes(),
             "rss_private_bytes": resident_bytes("RssAnon"),
@@ -225,11 +247,11 @@ class RolloutWorker:
 
     def inject_fault(self, method: str, message: str) -> None:
         """A test hook, not for production use: the next call of `method`
-        ("prepare_push" or "generate_stream") raises `ValueError(message)`,
-        so tests and failure drills can make one actor reject a push or fail
-        a generation without killing it."""
-        if method not in ("prepare_push", "generate_stream"):
-            raise ValueError(f"method must be 'prepare_push' or 'generate_stream', got {method!r}")
+        ("prepare_push", "generate_stream" or "session_turn") raises
+        `ValueError(message)`, so tests and failure drills can make one actor
+        reject a push or fail a generation without killing it."""
+        if method not in FAULTABLE:
+            raise ValueError(f"method must be one of {', '.join(map(repr, FAULTABLE))}, got {method!r}")
         with self._lock:
             self._faults[method] = message
 

@@ -36,14 +36,19 @@ class ActorPool:
     """
 
     def __init__(
-        self, model_path: str, engine_kwargs: dict, generate_threads: int, timeout_s: float, gate: PushGate
+        self,
+        model_path: str,
+        engine_kwargs: dict,
+        threads: tuple[int, int],
+        timeout_s: float,
+        gate: PushGate,
     ) -> None:
         self.model_path = model_path
         self.engine_kwargs = engine_kwargs
         self.timeout_s = timeout_s
         self.cond = threading.Condition()
         self.slots: list[ActorSlot] = []
-        self._generate_threads = generate_threads
+        self._threads = threads  # per actor: generate streams, session turns
         self._gate = gate
         self._closed = False
         self._placement: Placement | None = None
@@ -71,7 +76,7 @@ class ActorPool:
         args: tuple = (self.model_path, self.engine_kwargs, self._placement.cpus)
         if published is not None:
             args += (published.manifest, published.version, *published.refs)
-        return create_actor(RolloutWorker, self._pg, index, self._placement, args, self._generate_threads)
+        return create_actor(RolloutWorker, self._pg, index, self._placement, args, *self._threads)
 
     # -- calls ------------------------------------------------------------------------------
     def call(self, slot: ActorSlot, method: str, *args) -> ActorCall:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.session import Session
 from ..outputs import RolloutOutput
 from ..sampling_params import SamplingParams
 from .cluster import RolloutCluster
@@ -46,6 +47,11 @@ def generate(prompts, params: SamplingParams | None = None, timeout: float | Non
 def submit(prompts, params: SamplingParams | None = None) -> GenerationHandle:
     """`RolloutCluster.submit` on the default cluster."""
     return _cluster().submit(prompts, params)
+
+
+def session(prompt) -> Session:
+    """`RolloutCluster.session` on the default cluster."""
+    return _cluster().session(prompt)
 
 
 def push_weights(

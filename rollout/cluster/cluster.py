@@ -1,10 +1,11 @@
 """`RolloutCluster`: the driver side of a Ray cluster of rollout actors.
 
-It is a thin composition of three parts with one owner each: the
-`ActorPool` (the actors: spawning, calls, deaths, respawns, health), the
-`GenerationDispatch` (prompt groups to actors, outputs back, exactly once)
-and the `WeightPushes` (two-phase pushes, published for replacements). Ray
-is imported when a cluster is made, never before.
+It is a thin composition of parts with one owner each: the `ActorPool`
+(the actors: spawning, calls, deaths, respawns, health), the
+`GenerationDispatch` (prompt groups to actors, outputs back, exactly once),
+the `ClusterSessions` (multi-turn sessions pinned to actors) and the
+`WeightPushes` (two-phase pushes, published for replacements). Ray is
+imported when a cluster is made, never before.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from pathlib import Path
 import torch
 
 from ..checks import check_int, check_positive
+from ..engine.requests import prompt_token_ids
+from ..engine.session import Session
+from ..episodes import Episode, run_episodes, run_episodes_async
 from ..model.config import ModelConfig
 from ..outputs import RolloutOutput
 from ..sampling_params import SamplingParams
@@ -26,6 +30,7 @@ from .dispatch import GenerationDispatch
 from .handles import GenerationHandle, PushHandle
 from .pushes import WeightPushes
 from .ray_runtime import connect, ray_module
+from .sessions import ClusterSessions, ClusterTurns
 from .wire_send import DEFAULT_BUCKET_BYTES, BucketPacker
 
 
@@ -39,7 +44,8 @@ class RolloutCluster:
     (their sequences share batches; more queue). Every such call runs on its
     own thread with its own scratch memory, so many threads make an actor's
     memory grow while serving no more calls than a few. Extra keywords go to
-    each `Engine`.
+    each `Engine`. `session_concurrency`: session turns one actor runs at once
+    (`session`, `run_episodes`); more queue.
     """
 
     def __init__(
@@ -54,14 +60,15 @@ class RolloutCluster:
         timeout_s: float = 300.0,
         stall_timeout_s: float = 600.0,
         generate_concurrency: int = 4,
+        session_concurrency: int = 32,
         ray_init_kwargs: dict | None = None,
         **engine_kwargs,
     ) -> None:
-        num_actors, num_gpus_per_actor, num_cpus_per_actor, generate_concurrency, timeout_s, stall_timeout_s = (
-            _checked_args(
-                num_actors, num_gpus_per_actor, num_cpus_per_actor, generate_concurrency, timeout_s, stall_timeout_s
-            )
+        num_actors, num_gpus_per_actor, num_cpus_per_actor, generate_concurrency, session_concurrency = _checked_counts(
+            num_actors, num_gpus_per_actor, num_cpus_per_actor, generate_concurrency, session_concurrency
         )
+        timeout_s = check_positive("timeout_s", timeout_s)
+        stall_timeout_s = check_positive("stall_timeout_s", stall_timeout_s)
         if Path(model_path).exists():
             ModelConfig.from_dir(model_path)  # a bad checkpoint fails here, before any actor starts
         packer = BucketPacker(bucket_bytes)
@@ -69,7 +76,10 @@ class RolloutCluster:
         self.timeout_s, self.stall_timeout_s = timeout_s, stall_timeout_s
         self._versions = ClusterVersion(0)
         gate = PushGate()
-        self._pool = ActorPool(self.model_path, dict(engine_kwargs), generate_concurrency, timeout_s, gate)
+        threads = (generate_concurrency, session_concurrency)
+        self._pool = ActorPool(self.model_path, dict(engine_kwargs), threads, timeout_s, gate)
+        # A turn's only output is the turn itself: it may go as long without one as a generate stream.
+        self._sessions = ClusterSessions(self._pool, stall_timeout_s, num_actors * session_concurrency)
         self._pushes = WeightPushes(self._pool, packer, self._versions, gate, stall_timeout_s)
         self._owns_ray = connect(address, ray_init_kwargs, self.model_path, engine_kwargs.get("dtype", "float32"))
         try:
@@ -80,7 +90,7 @@ class RolloutCluster:
         self._limits = desc["limits"]
         self.engine_dtype: torch.dtype = getattr(torch, desc["dtype"])
         tok = desc["tokenizer_json"]
-        self._codec = TextCodec.from_json(tok, desc["eos_token_ids"]) if tok else None
+        self._codec = TextCodec.from_json(tok, desc["eos_token_ids"], desc["chat"]) if tok else None
         self._dispatch = GenerationDispatch(self._pool, self._limits, self._codec, stall_timeout_s)
 
     # -- generation ------------------------------------------------------------------------
@@ -94,6 +104,27 @@ class RolloutCluster:
         """Start generating and return at once; the handle gives `result()` and
         `as_completed()`. Prompts are validated here, before any is dispatched."""
         return self._dispatch.submit(prompts, params)
+
+    def session(self, prompt, tools: list[dict] | None = None) -> Session:
+        """A multi-turn episode starting from `prompt` (token ids, a string, or
+        chat messages, `tools` passed to the template), its turns pinned to the
+        least loaded live actor, where its KV stays between turns. When that
+        actor dies, the session goes on on another live actor (or its
+        replacement) from its token ids: a turn in flight runs again there. The
+        prompt is checked here, before any actor is chosen; see `Session` and
+        `rollout.cluster.sessions`."""
+        self._pool.check_open()
+        prompt_token_ids(prompt, self._limits, self._codec, tools)  # bad input raises before an actor is pinned
+        return Session(ClusterTurns(self._sessions, self._limits, self._codec), prompt, self._limits, tools)
+
+    def run_episodes(self, envs, params: SamplingParams | None = None, max_turns: int = 8) -> list[Episode]:
+        """One multi-turn episode per environment, all at once, each a `session`
+        of this cluster (see `rollout.episodes`)."""
+        return run_episodes(self.session, envs, params, max_turns)
+
+    async def run_episodes_async(self, envs, params: SamplingParams | None = None, max_turns: int = 8):
+        """`run_episodes` for asyncio code."""
+        return await run_episodes_async(self.session, envs, params, max_turns)
 
     # -- weights ---------------------------------------------------------------------------
     def push_weights(
@@ -155,19 +186,20 @@ class RolloutCluster:
 
     def shutdown(self) -> None:
         """Stop every actor, release the placement group, and stop Ray if this cluster started it."""
+        self._sessions.shutdown()
         if self._pool.shutdown() and self._owns_ray:
             ray_module().shutdown()
 
 
-def _checked_args(num_actors, gpus, cpus, generate_concurrency, timeout_s, stall_timeout_s) -> tuple:
-    """The arguments as plain Python numbers (numpy scalars accepted), or the error naming the first bad one."""
-    counts = [
+def _checked_counts(num_actors, gpus, cpus, generate_concurrency, session_concurrency) -> list:
+    """The counts as plain Python ints (numpy scalars accepted), or the error naming the first bad one."""
+    return [
         None if value is None and name != "num_actors" else check_int(name, value, low)
         for name, value, low in (
             ("num_actors", num_actors, 1),
             ("num_gpus_per_actor", gpus, 0),
             ("num_cpus_per_actor", cpus, 1),
             ("generate_concurrency", generate_concurrency, 1),
+            ("session_concurrency", session_concurrency, 1),
         )
     ]
-    return (*counts, check_positive("timeout_s", timeout_s), check_positive("stall_timeout_s", stall_timeout_s))

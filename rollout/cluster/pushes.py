@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.engine import check_inflight
+from ..engine.weights_api import check_inflight
 from .actor_pool import ActorPool
 from .actor_slots import ActorCall, ActorGone, ActorSlot, PushGate
 from .cluster_version import ClusterVersion

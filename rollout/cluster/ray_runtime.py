@@ -218,18 +218,25 @@ def bundle_nodes(pg) -> dict[int, str]:
 
 CONTROL = "control"  # pushes, health, logs: never queued behind generation
 GENERATE = "generate"
+SESSIONS = "sessions"
 
 
-def create_actor(worker_cls, pg, index: int, placement: Placement, args: tuple, generate_threads: int) -> Any:
-    """A rollout actor with two thread pools: `generate_threads` threads for
-    generate streams, and a small separate pool for control calls, so a
-    weight push is never stuck behind long generations. Bounding the threads
-    also bounds memory: every thread that runs torch keeps scratch buffers."""
+def create_actor(
+    worker_cls, pg, index: int, placement: Placement, args: tuple, generate_threads: int, session_threads: int
+) -> Any:
+    """A rollout actor with three thread pools: `generate_threads` threads for
+    generate streams, `session_threads` for session turns (short calls, many
+    at once: their sequences share the engine's batches), and a small
+    separate pool for control calls, so a weight push is never stuck behind
+    long generations. Bounding the threads also bounds memory: every thread
+    that runs torch keeps scratch buffers."""
     ray = ray_module()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     # Concurrency groups can only be declared when the class is made remote.
-    remote_cls = ray.remote(max_concurrency=2, concurrency_groups={CONTROL: 4, GENERATE: generate_threads})(worker_cls)
+    remote_cls = ray.remote(
+        max_concurrency=2, concurrency_groups={CONTROL: 4, GENERATE: generate_threads, SESSIONS: session_threads}
+    )(worker_cls)
     return remote_cls.options(
         num_cpus=placement.cpus,
         num_gpus=placement.gpus,

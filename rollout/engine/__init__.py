@@ -5,8 +5,9 @@ Nothing here imports Ray: the engine runs and is tested in-process, and the
 cluster (`rollout.cluster`) wraps it in actors.
 """
 
-from .engine import INFLIGHT_MODES, ClosedError, Engine
+from .engine import ClosedError, Engine
 from .step_stats import StepInfo, generation_pause
 from .version_guard import PolicyVersionGuard
+from .weights_api import INFLIGHT_MODES
 
 __all__ = ["INFLIGHT_MODES", "ClosedError", "Engine", "PolicyVersionGuard", "StepInfo", "generation_pause"]

@@ -15,40 +15,38 @@ import itertools
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from workspace import DecodeCache, InferenceWorkspace, KVPool, PageAllocator, WorkspaceShape
 
+from ..episodes import Episode, run_episodes, run_episodes_async
 from ..kernels.choice import load_kernels
 from ..model.config import ModelConfig
 from ..model.decoder import Model
 from ..model.loader import load_checkpoint
-from ..outputs import RolloutOutput
+from ..outputs import RolloutOutput, Sample
 from ..sampling_params import SamplingParams
 from ..tokenizer import TextCodec
+from .background import BackgroundDriver
 from .config import EngineConfig
 from .decode_graphs import graph_stats
 from .kv_manager import KVManager
+from .leases import LeaseSlot
 from .open_iterators import OpenIterators
-from .requests import make_requests
+from .requests import PromptLimits, make_requests
 from .scheduler import Scheduler
 from .sequence import Request, RequestResult
+from .session import EngineTurns, Session
 from .step_stats import StepInfo, StepLog
 from .stepper import Stepper
 from .stop_strings import StopStrings
 from .version_guard import PolicyVersionGuard
-from .weight_update import StagedUpdate, WeightUpdater
-
-INFLIGHT_MODES = ("recompute", "keep", "drain", "restart")
-
-
-def check_inflight(inflight: str) -> None:
-    """Raise `ValueError` unless `inflight` is one of INFLIGHT_MODES."""
-    if inflight not in INFLIGHT_MODES:
-        raise ValueError(f"inflight must be one of {INFLIGHT_MODES}, got {inflight!r}")
+from .weight_update import WeightUpdater
+from .weights_api import WeightsAPI
 
 
 class ClosedError(ValueError, RuntimeError):
@@ -57,7 +55,7 @@ class ClosedError(ValueError, RuntimeError):
     kind of handler catches it."""
 
 
-class Engine:
+class Engine(WeightsAPI):
     """Samples `n` responses per prompt with per-token logprobs and policy versions.
 
     Arguments (see docs/design.md): `model_path` is a Hugging Face checkpoint
@@ -123,6 +121,7 @@ class Engine:
         self._step_callback = step_callback  # called by the thread that stepped, outside the guard
         self._step_log = StepLog()
         self._closed = False
+        self._background = BackgroundDriver(self)  # steps session turns nobody's thread steps
 
     def _build_runtime(self, debug_decode_cache: bool) -> None:
         cfg, mc = self.config, self.model_config
@@ -196,86 +195,25 @@ class Engine:
         )
         return self._drive(requests)
 
-    def update_weights(
-        self,
-        state_dict: Mapping[str, torch.Tensor],
-        version: int | None = None,
-        inflight: str = "recompute",
-    ) -> int:
-        """Install new policy weights and return the new policy version.
-
-        `state_dict` uses the checkpoint's own names; a subset updates only
-        those tensors. Everything is validated (names, shapes, dtypes,
-        finiteness, version order) and staged before the guard is taken; a
-        rejected update leaves weights and version exactly as they were.
-        `inflight` says what happens to sequences mid-generation (see
-        docs/design.md). May be called from another thread while
-        `generate` runs. "drain" is refused (`RuntimeError`) from a thread
-        that holds an unfinished `generate_iter` iterator, a step callback
-        included: it would wait for requests only that thread advances.
-        """
-        check_inflight(inflight)
-        self._guard.check_next(version)
-        with self._update_lock:
-            return self.commit_weights(self.prepare_weights(state_dict), version, inflight)
-
-    def prepare_weights(
-        self, state_dict: Mapping[str, torch.Tensor], adopt: bool = False, verified_finite: bool = False
-    ) -> StagedUpdate:
-        """Phase one of an update: validate and stage, changing nothing live.
-
-        Raises `TypeError`/`ValueError` naming the first bad entry. With
-        `adopt=True` the caller promises the tensors never change while
-        the engine uses them: they are committed straight from the source,
-        and a host engine adopts them as its weights (no copy) until a later
-        update replaces them. `verified_finite=True`: the caller has checked
-        for NaN/inf already.
-        """
+    def session(self, prompt, tools: list[dict] | None = None) -> Session:
+        """A multi-turn episode starting from `prompt` (token ids, a string, or
+        chat messages rendered with the generation prompt, `tools` passed to the
+        template); see `Session`."""
         self._check_open()
-        with self._update_lock:
-            items = self._updater.validate(state_dict, check_finite=not verified_finite)
-            return self._updater.stage(items, adopt=adopt)
+        return Session(EngineTurns(self), prompt, PromptLimits.of(self.config, self.model_config), tools)
 
-    def discard_weights(self, staged: StagedUpdate) -> None:
-        """Drop a prepared update that will not be committed."""
-        with self._update_lock:
-            self._updater.release(staged)
+    def run_episodes(self, envs, params: SamplingParams | None = None, max_turns: int = 8) -> list[Episode]:
+        """One multi-turn episode per environment, all at once (see `rollout.episodes`)."""
+        return run_episodes(self.session, envs, params, max_turns)
 
-    def commit_weights(self, staged: StagedUpdate, version: int | None = None, inflight: str = "recompute") -> int:
-        """Phase two: install `staged` between two steps under the guard; returns the version."""
-        self._check_open()
-        check_inflight(inflight)
-        self._guard.check_next(version)
-        if inflight == "drain":
-            self._check_drain_would_not_wait_on_itself()
-        try:
-            return self._commit(staged, version, inflight)
-        finally:
-            with self._update_lock:
-                self._updater.release(staged)
-
-    def _commit(self, staged: StagedUpdate, version: int | None, inflight: str) -> int:
-
-        def apply(_: int) -> None:
-            self._check_open()  # a close that came first leaves nothing to install into
-            self._updater.commit(staged)
-            self.scheduler.on_weights_committed(inflight)
-            self.decode_cache.invalidate()
-
-        with self._update_lock:
-            if inflight != "drain":
-                return self._guard.commit(version, apply)
-            with self._guard.held():
-                self.scheduler.draining = True
-                try:
-                    self._guard.wait_for(lambda: self._closed or not self.scheduler.has_inflight, None)
-                    return self._guard.commit(version, apply)
-                finally:
-                    self.scheduler.draining = False
-                    self._guard.notify()
+    async def run_episodes_async(self, envs, params: SamplingParams | None = None, max_turns: int = 8):
+        """`run_episodes` for asyncio code."""
+        return await run_episodes_async(self.session, envs, params, max_turns)
 
     def stats(self) -> dict[str, int | float]:
-        """Counters for monitoring: tokens computed, prefix hits, preemptions, KV use."""
+        """Counters for monitoring: tokens computed, prefix hits, preemptions,
+        tokens recomputed after their KV was dropped and sampled tokens a
+        restart threw away, KV use."""
         self._check_open()
         st = self.scheduler.stats
         alloc = self.scheduler.kv.allocator
@@ -285,12 +223,16 @@ class Engine:
             "prompt_tokens": st.prompt_tokens,
             "prefix_hit_tokens": st.prefix_hit_tokens,
             "preemptions": st.preemptions,
+            "recomputed_tokens": st.recomputed_tokens,
+            "discarded_tokens": st.discarded_tokens,
             "kv_pages_total": alloc.num_pages,
             "kv_pages_used": alloc.num_used,
             "decode_cache_hits": self.decode_cache.hits,
             "decode_cache_misses": self.decode_cache.misses,
             **graph_stats(self.stepper.graphs),
             "packed_weights": self.model.packed.num_current if self.model.packed is not None else 0,
+            "session_leases": self.scheduler.kv.leases.num_leases,
+            "kv_pages_leased": self.scheduler.kv.leases.num_pages,
         }
 
     def step_log(self, since: float | None = None) -> list[StepInfo]:
@@ -318,9 +260,33 @@ class Engine:
         if self._closed:
             raise ClosedError("engine is closed; make a new Engine")
 
-    def _check_drain_would_not_wait_on_itself(self) -> None:
+    def _session_turn(self, token_ids: list[int], params: SamplingParams, slot: LeaseSlot) -> Future:
+        """Start one session turn from `token_ids` on the background driver, its
+        KV kept in `slot` when it finishes; the future gives its `Sample`."""
+        self._check_open()
+        (request,) = make_requests(
+            [token_ids],
+            params,
+            self.config,
+            self.model_config,
+            self.codec,
+            rng=self._rng,
+            request_ids=self._request_ids,
+            seq_ids=self._seq_ids,
+        )
+        request.lease_slot = slot
+        (future,) = self._background.submit([request], pick=_only_sample)
+        return future
+
+    def _release_lease(self, slot: LeaseSlot) -> None:
         with self._guard.held():
-            self._iterators.check_drain()
+            if not self._closed:
+                self.scheduler.kv.leases.close(slot)
+
+    def _after_step(self, info: StepInfo | None) -> None:
+        """What follows a step outside the guard, on the thread that ran it."""
+        if info is not None and self._step_callback is not None:
+            self._step_callback(info)
 
     def _drive(self, requests: list[Request]) -> Iterator[tuple[int, RolloutOutput]]:
         with self._guard.held():
@@ -337,8 +303,7 @@ class Engine:
                     del pending[index]
                     yield index, result.to_output(decode, index)
                     opened.thread = threading.current_thread()  # whoever resumed the iterator holds it now
-                if info is not None and self._step_callback is not None:
-                    self._step_callback(info)
+                self._after_step(info)
         finally:
             self._iterators.close(opened)
             if pending:  # an error, a close, or the caller stopped iterating
@@ -384,3 +349,7 @@ class Engine:
             self.scheduler.recover()
             self.stepper.invalidate()
             raise
+
+
+def _only_sample(output: RolloutOutput) -> Sample:
+    return output.samples[0]

@@ -1,11 +1,13 @@
 """Sequence-level KV page management on top of the page allocator: growing
 a sequence's block table, copy-on-write of shared pages, forking a group,
-prefix-cache lookups and registration."""
+prefix-cache lookups and registration, and the leases that keep a session's
+KV between its turns."""
 
 from __future__ import annotations
 
 from workspace import PageAllocator, page_hash
 
+from .leases import LeaseTable
 from .sequence import Sequence
 
 
@@ -13,6 +15,7 @@ class KVManager:
     def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
+        self.leases = LeaseTable(allocator)  # sessions' KV between turns
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -47,6 +50,7 @@ class KVManager:
         child.block_table = list(parent.block_table)
         child.page_keys = list(parent.page_keys)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.kv_high_water = max(child.kv_high_water, parent.num_computed_tokens)
         child.cacheable = parent.cacheable
 
     def free(self, seq: Sequence) -> None:
@@ -75,12 +79,18 @@ class KVManager:
         seq.num_computed_tokens = len(seq.block_table) * ps
         return seq.num_computed_tokens
 
-    def register(self, seq: Sequence, version: int) -> None:
-        """Publish the sequence's newly completed full pages to the prefix cache."""
+    def register(self, seq: Sequence, version: int, num_tokens: int) -> None:
+        """Publish the full pages among the sequence's first `num_tokens` positions to the prefix cache.
+
+        Called when a step is scheduled, for the positions it will compute: a
+        sequence admitted later in the same step can share them, because every
+        layer writes the whole step's keys and values before any token of the
+        step attends (a recomputed group computes its prompt once, not n times).
+        """
         if not seq.cacheable:
             return
         ps = self.page_size
-        full = seq.num_computed_tokens // ps
+        full = num_tokens // ps
         for i in range(len(seq.page_keys), full):
             parent = seq.page_keys[-1] if seq.page_keys else b""
             key = page_hash(parent, version, seq.token_ids[i * ps : (i + 1) * ps])

@@ -50,3 +50,5 @@ class SchedulerStats:
     prompt_tokens: int = 0  # of those, prompt positions (a group's prompt counts once)
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    recomputed_tokens: int = 0  # computed again after their KV was dropped (preemption, recompute, restart)
+    discarded_tokens: int = 0  # sampled tokens a restart threw away

@@ -10,6 +10,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ..chat import is_chat
 from ..checks import array_shape, as_token_ids
 from ..model.config import ModelConfig
 from ..sampling_params import MAX_SEED, SamplingParams
@@ -48,6 +49,20 @@ def validate_prompts(
     return token_lists, texts
 
 
+def prompt_token_ids(prompt, limits: PromptLimits, codec: TextCodec | None, tools: list | None = None) -> list[int]:
+    """One prompt's token ids (a session's start), checked as `generate` checks
+    prompts; `tools` reach the chat template of a chat-message prompt."""
+    if tools is not None and not is_chat(prompt):
+        raise ValueError("tools are passed to the chat template: give the prompt as chat messages")
+    (ids,), _ = _tokenize([prompt], codec, limits.vocab_size, tools)
+    if len(ids) >= limits.max_seq_len:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens; max_seq_len is {limits.max_seq_len}, so a prompt may have "
+            f"at most {limits.max_seq_len - 1} tokens (one must be generated)"
+        )
+    return ids
+
+
 def make_requests(
     prompts,
     params: SamplingParams,
@@ -82,7 +97,27 @@ def make_requests(
     return requests
 
 
-def _tokenize(prompts, codec: TextCodec | None, vocab: int) -> tuple[list[list[int]], list[str | None]]:
+def render_chat(name: str, messages, codec: TextCodec | None, tools: list | None = None) -> str:
+    """The prompt text of chat `messages` (with the generation prompt) by the
+    checkpoint's template; errors name `name` and what is wrong."""
+    import jinja2
+
+    if codec is None or codec.chat is None:
+        raise ValueError(
+            f"{name} is chat messages but the checkpoint has no chat template "
+            "(chat_template.jinja, or chat_template in tokenizer_config.json) and tokenizer.json"
+        )
+    try:
+        return codec.chat.render(list(messages), add_generation_prompt=True, tools=tools)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{name}: {e}") from None
+    except jinja2.TemplateError as e:  # the template itself refused them (raise_exception)
+        raise ValueError(f"{name}: the chat template refused these messages: {e}") from None
+
+
+def _tokenize(
+    prompts, codec: TextCodec | None, vocab: int, tools: list | None = None
+) -> tuple[list[list[int]], list[str | None]]:
     prompts = _prompt_list(prompts)
     if not prompts:
         return [], []
@@ -91,12 +126,19 @@ def _tokenize(prompts, codec: TextCodec | None, vocab: int) -> tuple[list[list[i
             raise ValueError("prompts are strings but the checkpoint has no tokenizer.json; pass token-id lists")
         texts: list[str | None] = [str(p) for p in prompts]
         token_lists = [codec.encode(t) for t in texts]
+    elif all(is_chat(p) for p in prompts):
+        texts = [render_chat(f"prompts[{i}]", p, codec, tools) for i, p in enumerate(prompts)]
+        token_lists = [codec.encode(t, add_special_tokens=False) for t in texts]  # the rendering holds them
     elif all(isinstance(p, (list, tuple)) or array_shape(p) is not None for p in prompts):
         token_lists = [as_token_ids(f"prompts[{i}]", p) for i, p in enumerate(prompts)]
         texts = [None] * len(prompts)
+    elif all(isinstance(p, dict) for p in prompts):
+        raise TypeError("prompts is one list of chat messages; pass a list of conversations, [messages]")
     else:
         kinds = sorted({type(p).__name__ for p in prompts})
-        raise TypeError(f"prompts must be all strings or all token-id lists, got a mix of {kinds}")
+        raise TypeError(
+            f"prompts must be all strings, all token-id lists or all chat-message lists, got a mix of {kinds}"
+        )
     for i, ids in enumerate(token_lists):
         if not ids:
             raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")

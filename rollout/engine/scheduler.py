@@ -66,7 +66,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             if self._reserve_or_preempt(seq, n, plan):
-                plan.chunks.append(self._chunk(seq, n))
+                plan.chunks.append(self._chunk(seq, n, version))
                 budget -= n
                 i += 1
             else:
@@ -78,6 +78,8 @@ class Scheduler:
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         while not self.kv.reserve(seq, n, plan.page_copies):
+            if self.kv.leases.release_oldest():
+                continue  # idle sessions' KV goes before any running sequence is preempted
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:
@@ -94,9 +96,14 @@ class Scheduler:
             forks = len(request.pending_forks) if request.leader is seq else 0
             if used + 1 + forks > self.max_batch_size:
                 break
-            hit = self.kv.match_prefix(seq, version) if seq.cacheable else 0
+            if request.lease_slot is not None and request.lease_slot.lease is not None:
+                hit = self.kv.leases.adopt(seq, request.lease_slot)
+            else:
+                hit = self.kv.match_prefix(seq, version) if seq.cacheable else 0
             n = min(seq.num_uncomputed_tokens, budget)
             need = self.kv.pages_for(seq.num_computed_tokens + n) - len(seq.block_table) + forks
+            while need > self.kv.allocator.num_free and self.kv.leases.release_oldest():
+                pass  # idle sessions' KV goes before a new sequence waits
             if need > self.kv.allocator.num_free or not self.kv.reserve(seq, n, plan.page_copies):
                 self.kv.free(seq)
                 break
@@ -108,10 +115,11 @@ class Scheduler:
             request.started = True
             used += 1 + forks
             self.running.append(seq)
-            plan.chunks.append(self._chunk(seq, n))
+            plan.chunks.append(self._chunk(seq, n, version))
             budget -= n
 
-    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, n: int, version: int) -> ScheduledChunk:
+        self.kv.register(seq, version, seq.num_computed_tokens + n)
         samplers: list[Sequence] = []
         if n == seq.num_uncomputed_tokens:
             samplers.append(seq)
@@ -127,13 +135,15 @@ class Scheduler:
     # -- update --------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> None:
         for chunk in plan.chunks:
-            chunk.seq.num_computed_tokens += chunk.length
+            seq, end = chunk.seq, chunk.start + chunk.length
+            seq.num_computed_tokens = end
             self.stats.computed_tokens += chunk.length
-            self.stats.prompt_tokens += max(0, min(chunk.seq.num_prompt_tokens - chunk.start, chunk.length))
+            self.stats.prompt_tokens += max(0, min(seq.num_prompt_tokens - chunk.start, chunk.length))
+            self.stats.recomputed_tokens += max(0, min(end, seq.kv_high_water) - chunk.start)
+            seq.kv_high_water = max(seq.kv_high_water, end)
             for s in chunk.samplers:
-                if s is not chunk.seq:
-                    self._fork(chunk.seq, s)
-            self.kv.register(chunk.seq, result.version)
+                if s is not seq:
+                    self._fork(seq, s)
         finished = []
         for s, token, logprob in zip(plan.samplers, result.tokens, result.logprobs, strict=True):
             s.append(token, logprob, result.version)
@@ -177,7 +187,10 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.FORK_PENDING:
             seq.request.pending_forks.remove(seq)
-        self.kv.free(seq)
+        if seq.request.lease_slot is not None:
+            self.kv.leases.keep(seq, seq.request.lease_slot)  # the session's next turn starts from it
+        else:
+            self.kv.free(seq)
         seq.mark_finished(reason)
         request = seq.request
         if request.leader is seq and request.pending_forks:
@@ -200,6 +213,7 @@ class Scheduler:
         drain:     nothing is in flight by the time the commit runs.
         """
         self.kv.clear_prefix_cache()
+        self.kv.leases.on_weights_committed(inflight)
         if inflight == "keep":
             for s in self.running:
                 s.cacheable = False
@@ -220,6 +234,7 @@ class Scheduler:
     def _restart(self, request: Request) -> None:
         members = [s for s in request.samples if not s.is_finished]
         for s in members:
+            self.stats.discarded_tokens += s.num_output_tokens
             if s.status is SeqStatus.RUNNING:
                 self.running.remove(s)
             elif s.status is SeqStatus.WAITING:

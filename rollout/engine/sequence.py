@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..outputs import RolloutOutput, Sample
 from ..sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .leases import LeaseSlot
 
 
 class SeqStatus(enum.Enum):
@@ -31,6 +35,7 @@ class Sequence:
     token_ids: list[int]  # prompt tokens, then output tokens
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # leading tokens whose KV is in block_table
+    kv_high_water: int = 0  # positions whose KV was ever computed: computing them again is a recompute
     block_table: list[int] = field(default_factory=list)  # page ids, in position order
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full computed pages
     cacheable: bool = True  # False while its KV mixes policy versions ("keep" updates)
@@ -77,6 +82,7 @@ class Sequence:
 
     def reset_outputs(self) -> None:
         del self.token_ids[self.num_prompt_tokens :]
+        self.kv_high_water = min(self.kv_high_water, self.num_prompt_tokens)
         self.logprobs.clear()
         self.versions.clear()
         self.stop_text_end = None
@@ -97,6 +103,7 @@ class Request:
     pending_forks: list[Sequence] = field(default_factory=list)  # wait on samples[leader]
     leader: Sequence | None = None  # computes the shared prompt for pending_forks
     started: bool = False  # some sample was admitted (the request is in flight)
+    lease_slot: LeaseSlot | None = None  # a session's turn: its KV is kept there when it finishes
 
     @property
     def is_finished(self) -> bool:

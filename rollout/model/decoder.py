@@ -96,12 +96,14 @@ class Model(nn.Module):
         self._windows = [w or 0 for w in cfg.sliding_windows]
 
     def pack_weights(self) -> None:
-        """Packs every projection weight and the LM head (after loading); without
-        a working oneDNN reorder, they stay on plain weights, with a warning."""
+        """After loading: packs the first weight now, which proves oneDNN's reorder
+        works here (without it every projection stays on its plain weight, with a
+        warning); the first steps pack the rest, `per_step` each
+        (`PackedWeights.start_step`), so start-up does not wait for them."""
         if self.packed is None:
             return
         try:
-            self.packed.pack_all()
+            self.packed.start_step()
         except RuntimeError as exc:
             message = f"packing weights for oneDNN failed ({exc}); projections use plain weights"
             warnings.warn(message, RuntimeWarning, stacklevel=3)

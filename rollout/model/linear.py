@@ -64,10 +64,6 @@ class PackedWeights:
         self._stale: set[str] = set(params)  # copies that do not match their parameter (or are missing)
         self.per_step = max(1, -(-len(params) // 32))
 
-    def pack_all(self) -> None:
-        for name in list(self._stale):
-            self._repack(name)
-
     def changed(self, names=None) -> None:
         """The weights `names` (all when None) have new values: their copies are stale."""
         self._stale.update(self._params if names is None else (n for n in names if n in self._params))

@@ -65,7 +65,7 @@ def test_group_prefills_once_then_forks_and_copies_the_partial_page_on_write():
 
 def test_admission_is_bounded_by_free_pages():
     sched = make_scheduler(num_pages=4, page_size=4)
-    first, second = make_request(list(range(1, 12))), make_request(list(range(1, 10)))
+    first, second = make_request(list(range(1, 12))), make_request(list(range(21, 30)))
     sched.add(first)
     sched.add(second)
     plan = sched.schedule(version=0)
@@ -130,3 +130,47 @@ def test_finish_takes_only_the_reasons_a_sample_can_report():
     assert not seq.is_finished and sched.running == [seq]  # refused before anything changed
     sched.finish(seq, "abort")
     assert seq.finish_reason in FINISH_REASONS and req.result().to_output(None).samples[0].finish_reason == "abort"
+
+
+def _decode_distinct(sched: Scheduler, steps: int, version: int = 0) -> None:
+    """Steps in which sampler row i draws token 100 + i: a group's samples diverge."""
+    for _ in range(steps):
+        plan = sched.schedule(version)
+        rows = len(plan.samplers)
+        sched.update(plan, StepResult([100 + i for i in range(rows)], [-1.0] * rows, version))
+
+
+def test_recompute_commit_recomputes_a_groups_prompt_once():
+    sched = make_scheduler(num_pages=40, page_size=4)
+    req = make_request(list(range(1, 11)), n=3)  # 10 tokens: two full pages and a partial one
+    sched.add(req)
+    _decode_distinct(sched, 4)  # the prefill samples 1 token per sample, 3 decodes add 3 more
+    assert [s.num_computed_tokens for s in req.samples] == [13, 13, 13]
+    computed = sched.stats.computed_tokens
+    sched.on_weights_committed("recompute")
+    plan = sched.schedule(version=1)
+    # The first sample recomputes everything and publishes its full pages as it is
+    # scheduled; the others, admitted in the same step, share the prompt's two.
+    assert [(c.seq, c.start, c.length) for c in plan.chunks] == [
+        (req.samples[0], 0, 14),
+        (req.samples[1], 8, 6),
+        (req.samples[2], 8, 6),
+    ]
+    shared = req.samples[0].block_table[:2]
+    assert all(s.block_table[:2] == shared for s in req.samples)
+    sched.update(plan, StepResult([7, 7, 7], [-1.0] * 3, 1))
+    assert sched.stats.computed_tokens - computed == 14 + 6 + 6
+    assert sched.stats.recomputed_tokens == 13 + 5 + 5  # positions whose KV existed before the commit
+    assert sched.stats.discarded_tokens == 0
+
+
+def test_restart_commit_counts_discarded_outputs_and_the_recomputed_prompt():
+    sched = make_scheduler(num_pages=40, page_size=4)
+    req = make_request(list(range(1, 11)), n=3)
+    sched.add(req)
+    _decode_distinct(sched, 4)
+    sched.on_weights_committed("restart")
+    assert sched.stats.discarded_tokens == 3 * 4
+    _decode_distinct(sched, 1, version=1)
+    assert sched.stats.recomputed_tokens == 10  # the prompt once, for the whole group
+    assert [s.num_output_tokens for s in req.samples] == [1, 1, 1]

@@ -346,7 +346,9 @@ def test_packed_projection_copies_follow_every_commit(qwen2, hf_b):
         pytest.skip("this torch build has no oneDNN: projections use torch's BLAS and nothing is packed")
     total = 4 * qwen2.hf.config.num_hidden_layers + 1  # qkv, o, gate_up, down per layer, and the LM head
     assert engine.model.packed.per_step == 1  # a step repacks one weight of this small model
-    assert engine.stats()["packed_weights"] == total
+    assert engine.stats()["packed_weights"] == 1  # start-up packs one, to prove packing works here
+    while engine.stats()["packed_weights"] < total:  # the first steps pack the rest
+        _assert_matches(qwen2.hf, engine.generate(PROMPTS[:1], SamplingParams(max_tokens=3, ignore_eos=True)))
     # Three forward passes of three rows: decode steps run oneDNN on the packed or stale weights
     # (one- and two-row steps take skinny_linear on the plain weights instead).
     one = SamplingParams(n=3, max_tokens=3, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,238 @@
+"""Sessions on a cluster: a session pinned to one actor gives the trajectory
+of the same seeded session on an in-process engine and of a teacher-forced
+transformers forward; it survives its actor's SIGKILL between turns and in
+the middle of one; its turns reuse the actor's KV; bad input raises on the
+driver before any actor is called; the actor's own errors arrive unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import rollout
+from rollout import ClosedError, RolloutCluster, SamplingParams
+from rollout.cluster.actor_sessions import EngineSessions
+from rollout.cluster.ray_runtime import control
+from rollout.cluster.sessions import ClusterSessions
+from tests.conftest import make_engine
+from tests.rollout.cluster.test_cluster import wait_until
+from tests.rollout.engine.test_sessions import assert_matches_reference, params
+
+KW = dict(
+    num_actors=2,
+    num_cpus_per_actor=1,
+    max_seq_len=256,
+    kv_cache_tokens=4096,
+    max_batch_size=16,
+    timeout_s=120,
+    stall_timeout_s=120,
+)
+PROMPT = [3 + (7 * i) % 90 for i in range(11)]
+# Per turn: max_tokens, seed, then the observation appended after it.
+TURNS = [(6, 11, [5, 9]), (4, 12, [17]), (24, 13, [40, 41, 42]), (3, 14, [8]), (5, 15, [])]
+
+
+def _pause_while(path: str):
+    """A step callback: while `path` exists, the engine pauses after each step
+    (a bounded wait), so a test can kill an actor in the middle of a turn."""
+
+    def pause(info) -> None:
+        deadline = time.monotonic() + 120
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    return pause
+
+
+@pytest.fixture(scope="module")
+def hold(tmp_path_factory):
+    return tmp_path_factory.mktemp("sessions") / "hold"
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, qwen2, hold):
+    c = RolloutCluster(qwen2.path, step_callback=_pause_while(str(hold)), **KW)
+    yield c
+    c.shutdown()
+
+
+def _turn(sess, k: int):
+    max_tokens, seed, _ = TURNS[k]
+    return sess.generate(params(max_tokens, seed))
+
+
+def _episode(sess, turns=None):
+    for k in range(len(TURNS)) if turns is None else turns:
+        _turn(sess, k)
+        sess.append(TURNS[k][2])
+    return sess
+
+
+@pytest.fixture(scope="module")
+def reference(qwen2):
+    """The episode as a session on an in-process engine of the same checkpoint."""
+    with make_engine(qwen2.path).session(PROMPT) as sess:
+        return _episode(sess)
+
+
+def assert_same_trajectory(sess, ref) -> None:
+    assert sess.token_ids == ref.token_ids and sess.loss_mask == ref.loss_mask and sess.versions == ref.versions
+    assert torch.allclose(torch.tensor(sess.logprobs), torch.tensor(ref.logprobs), atol=1e-5)
+    assert [s.finish_reason for s in sess.samples] == [s.finish_reason for s in ref.samples]
+
+
+def _actor(cluster, index: int) -> dict:
+    return next(h for h in cluster.health() if h["index"] == index)
+
+
+def test_a_cluster_session_equals_an_engine_session_and_transformers(cluster, qwen2, reference):
+    with cluster.session(PROMPT) as sess:
+        slot = sess._backend.slot
+        _episode(sess)
+        assert sess._backend.slot is slot and sess.num_turns == len(TURNS)
+        assert_same_trajectory(sess, reference)
+        assert_matches_reference(sess, {0: qwen2.hf})
+        assert _actor(cluster, slot.index)["sessions"] == 1
+    wait_until(lambda: _actor(cluster, slot.index)["sessions"] == 0)  # the close is not waited for
+    assert _actor(cluster, slot.index)["kv_pages_used"] == 0
+
+
+def test_a_second_turn_on_the_pinned_actor_computes_only_the_new_tokens(cluster, qwen2):
+    with cluster.session(list(range(3, 43))) as sess:  # 40 tokens: its last page is partly filled
+        sess.generate(params(5, 1))
+        index = sess._backend.slot.index
+        before = _actor(cluster, index)["computed_tokens"]
+        sess.append([9, 10, 11])
+        s2 = sess.generate(params(4, 2))
+        # Turn 1's last sampled token and the 3 observed ones, then one per decode step.
+        assert _actor(cluster, index)["computed_tokens"] - before == 1 + 3 + (len(s2.token_ids) - 1)
+        assert_matches_reference(sess, {0: qwen2.hf})
+
+
+def test_a_session_survives_its_actor_killed_between_turns_and_mid_turn(cluster, qwen2, reference, hold):
+    sess = cluster.session(PROMPT)
+    _episode(sess, [0])
+    first = sess._backend.slot.pid
+    os.kill(first, signal.SIGKILL)  # between turns: the next turn finds it dead
+    _episode(sess, [1])
+    assert sess._backend.slot.pid != first
+
+    hold.touch()  # every engine step now pauses until the file goes
+    result: dict = {}
+    turn = threading.Thread(target=lambda: result.update(sample=_turn(sess, 2)), daemon=True)
+    turn.start()
+    victim = sess._backend.slot
+    wait_until(lambda: (h := _actor(cluster, victim.index)).get("session_turns") == 1 and h["running"] == 1)
+    os.kill(victim.pid, signal.SIGKILL)  # its turn has run a step and is paused: it cannot have finished
+    hold.unlink()
+    turn.join(120)
+    assert not turn.is_alive() and "sample" in result
+    assert sess._backend.slot.pid not in (first, victim.pid)
+    sess.append(TURNS[2][2])
+    _episode(sess, [3, 4])
+
+    assert_same_trajectory(sess, reference)
+    assert_matches_reference(sess, {0: qwen2.hf})
+    sess.close()
+    cluster.wait_until_healthy(120)
+
+
+def test_sessions_spread_over_actors_and_batch_through_asyncio(cluster, reference):
+    async def episode(sess):
+        for k in range(len(TURNS)):
+            max_tokens, seed, obs = TURNS[k]
+            await sess.generate_async(params(max_tokens, seed))
+            sess.append(obs)
+        return sess
+
+    async def main():
+        with cluster.session(PROMPT) as a, cluster.session(PROMPT) as b:
+            assert {a._backend.slot.index, b._backend.slot.index} == {0, 1}  # idle actors: fewest sessions first
+            return await asyncio.gather(episode(a), episode(b))
+
+    for sess in asyncio.run(main()):
+        assert_same_trajectory(sess, reference)
+
+
+def test_bad_input_raises_on_the_driver_before_any_actor_call(cluster, monkeypatch):
+    sess = cluster.session([3, 4, 5])
+    sess.generate(params(2, 0))
+    before = (sess.token_ids, sess.loss_mask, sess.logprobs, sess.versions)
+
+    def no_actor_call(*args):
+        raise AssertionError("an actor was called")
+
+    monkeypatch.setattr(ClusterSessions, "pin", no_actor_call)
+    monkeypatch.setattr(ClusterSessions, "run_turn", no_actor_call)
+    for prompt, error, match in [
+        (3.5, TypeError, "prompt"),
+        ([5, 96], ValueError, "vocabulary"),
+        ([3] * 256, ValueError, "max_seq_len"),
+        ("text", ValueError, "tokenizer"),
+    ]:
+        with pytest.raises(error, match=match):
+            cluster.session(prompt)
+    with pytest.raises(ValueError, match="n must be 1"):
+        sess.generate(SamplingParams(n=2))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        sess.generate(SamplingParams(stop_token_ids=[96]))
+    with pytest.raises(ValueError, match="vocabulary"):
+        sess.append([5, 96])
+    with pytest.raises(ValueError, match="chat template"):
+        sess.append([{"role": "user", "content": "hi"}])
+    assert (sess.token_ids, sess.loss_mask, sess.logprobs, sess.versions) == before
+    sess.close()
+
+
+def test_an_error_inside_the_actor_reaches_the_caller_unchanged(cluster, ray_session):
+    with cluster.session([3, 4, 5]) as sess:
+        slot = sess._backend.slot
+        ray_session.get(control(slot.handle, "inject_fault").remote("session_turn", "injected"))
+        with pytest.raises(ValueError, match="^injected$") as raised:
+            sess.generate(params(2, 0))
+        assert type(raised.value) is ValueError and sess.token_ids == [3, 4, 5]
+        assert len(sess.generate(params(2, 0)).token_ids) == 2
+        assert sess._backend.slot is slot and slot.state == "alive"
+
+
+def test_an_actor_keeps_a_bounded_number_of_engine_sessions(qwen2):
+    engine = make_engine(qwen2.path)
+    kept = EngineSessions(engine, limit=2)
+    ids = {k: [3 + i, 4, 5, 6] for i, k in enumerate("abc")}
+    for k in "abc":
+        ids[k] += kept.turn(k, ids[k], params(3, 1)).token_ids
+    assert kept.num_kept == 2 and engine.stats()["session_leases"] == 2  # "a", the oldest, was closed
+    with engine.session(ids["a"][:4]) as ref:  # an uninterrupted session, for reference
+        ref.generate(params(3, 1))
+        ref.append([7])
+        expected = ref.generate(params(2, 2)).token_ids
+    computed = engine.stats()["computed_tokens"]
+    # "a" starts again from the driver's ids: correct, only slower.
+    assert kept.turn("a", ids["a"] + [7], params(2, 2)).token_ids == expected
+    assert engine.stats()["computed_tokens"] - computed == len(ids["a"]) + 1 + 1
+    kept.turn("b", [9, 9, 9], params(2, 0))  # ids that do not continue "b": a fresh session
+    kept.close("b")
+    kept.close("b")
+    assert kept.num_kept == 1 and kept.num_running == 0 and engine.stats()["session_leases"] == 1
+
+
+def test_the_module_verb_and_a_shut_down_cluster(ray_session, qwen2):
+    cluster = rollout.init(qwen2.path, **{**KW, "num_actors": 1})
+    try:
+        sess = rollout.session([3, 4, 5])
+        assert len(sess.generate(params(3, 0)).token_ids) == 3
+    finally:
+        rollout.shutdown()
+    with pytest.raises(ClosedError):
+        cluster.session([3, 4, 5])
+    with pytest.raises(ClosedError):
+        sess.generate(params(3, 0))
+    with pytest.raises(RuntimeError, match="rollout.init"):
+        rollout.session([3, 4, 5])
+    sess.close()
