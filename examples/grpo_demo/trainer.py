@@ -176,7 +176,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
-    axes[0].plot(steps, [r["reward"] for r in rows], color="tab:green")
+    axes[0].plot(steps, [r["reward"] for r in rows], color="tab:green", label="reward")
+    if "ask_rate" in rows[0]:  # the tool task: how often the first turn asks the environment
+        axes[0].plot(steps, [r["ask_rate"] for r in rows], color="tab:purple", label="asks")
+        axes[0].legend(loc="lower right")
     axes[0].set_ylabel("mean reward")
     axes[0].set_ylim(0, 1)
     axes[1].step(steps, [r["staleness_max"] for r in rows], where="mid", color="tab:orange")
@@ -184,7 +187,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[2].plot(steps, [1000 * r["push_seconds"] for r in rows], color="tab:blue")
     axes[2].set_ylabel("push (ms)")
     axes[2].set_xlabel("optimizer step (one weight push each)")
-    axes[0].set_title("GRPO on an embedded rollout cluster")
+    axes[0].set_title("GRPO on an embedded rollout cluster" + (" (multi-turn)" if "ask_rate" in rows[0] else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

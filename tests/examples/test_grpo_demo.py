@@ -62,3 +62,33 @@ def test_task_checkpoint_and_tokenizer(tmp_path):
 def test_config_is_validated():
     with pytest.raises(ValueError, match="steps"):
         DemoConfig(steps=0)
+
+
+def test_tool_demo_smoke_run(ray_session, tmp_path, monkeypatch):
+    """The multi-turn task through the cluster: episodes batched one row each, pushes, exact logprobs."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        summary = run(DemoConfig(steps=4, actors=2, out=tmp_path / "tool", wandb=False, task="tool"), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["steps"] == 4 and summary["max_staleness_seen"] <= 1
+    assert summary["mean_abs_logprob_mismatch"] < 1e-4 and 0.0 <= summary["ask_rate_end"] <= 1.0
+    steps = json.loads((tmp_path / "tool" / "steps.json").read_text())
+    assert [s["version"] for s in steps] == [1, 2, 3, 4]
+
+
+def test_tool_environment_answers_only_an_ask():
+    from examples.grpo_demo.tool import AskEnv, token_id
+
+    class Turn:
+        def __init__(self, symbols):
+            self.token_ids = [token_id(c) for c in symbols]
+
+    env = AskEnv(secret=4)
+    assert env.reset() == ">"
+    assert env.step(Turn("?")) == ([token_id("4"), token_id("=")], 0.0, False)
+    assert env.step(Turn("5505")) == (None, 0.75, True)  # three of four tokens are the successor
+    assert AskEnv(secret=9).step(Turn("0")) == (None, 0.0, True)  # no ask: the episode ends unrewarded
+    with pytest.raises(ValueError, match="task"):
+        DemoConfig(task="chess")
