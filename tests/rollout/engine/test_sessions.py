@@ -233,3 +233,25 @@ def test_bad_session_input_is_refused_and_changes_nothing(long_ckpt):
     with pytest.raises(ValueError, match="closed"):
         sess.append([3])
     assert sess.token_ids == before[0]
+
+
+def test_weight_push_during_a_turn_follows_recompute(long_ckpt, hf_b):
+    """A push in the middle of a turn: the turn's tokens switch version, and each
+    matches the teacher-forced forward of the whole trajectory under its own
+    version's weights (recompute: the new version's tokens see new-version KV)."""
+    state = {"armed": False, "steps": 0}
+
+    def push_mid_turn(info):  # runs on the stepping thread, between steps
+        if state["armed"]:
+            state["steps"] += 1
+            if state["steps"] == 3:
+                engine.update_weights(hf_b.state_dict(), inflight="recompute")
+
+    engine = make_engine(long_ckpt.path, max_seq_len=1024, step_callback=push_mid_turn)
+    with engine.session(list(range(3, 40))) as sess:
+        sess.generate(params(4))
+        sess.append([5, 6, 7])
+        state["armed"] = True
+        turn = sess.generate(params(8))
+        assert turn.versions == [0, 0, 0] + [1] * 5
+        assert_matches_reference(sess, {0: long_ckpt.hf, 1: hf_b})
