@@ -82,8 +82,7 @@ async def run_episodes_async(
 ) -> list[Episode]:
     """`run_episodes` for asyncio code. The first environment error cancels the
     other episodes (their sessions are closed) and is raised."""
-    params = _per_turn(params)
-    _check(envs, max_turns)
+    params = check_episode_args(envs, params, max_turns)
     # Plain environment methods run here, one thread per episode at most: a
     # blocking tool call never waits for another episode's to end.
     threads = ThreadPoolExecutor(max(1, min(len(envs), MAX_ENV_THREADS)), "rollout-env")
@@ -98,6 +97,13 @@ async def run_episodes_async(
         raise
     finally:
         threads.shutdown(wait=False)
+
+
+def check_episode_args(envs, params, max_turns: int) -> list[SamplingParams]:
+    """Raise `TypeError`/`ValueError` naming the first bad argument; returns the per-turn params."""
+    turns = _per_turn(params)
+    _check(envs, max_turns)
+    return turns
 
 
 def _per_turn(params) -> list[SamplingParams]:

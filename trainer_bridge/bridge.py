@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from rollout import Engine, RolloutCluster, RolloutOutput, SamplingParams, generation_pause
-from rollout.episodes import Episode
+from rollout.checks import check_int
+from rollout.episodes import Episode, check_episode_args
 
 from .batch import RolloutBatch
 from .names import export_state_dict
@@ -142,6 +143,8 @@ class TrainerBridge:
         per episode, episodes `[g * group_size, (g + 1) * group_size)` forming
         GRPO group g."""
         params = SamplingParams() if params is None else params
+        check_episode_args(envs, params, max_turns)
+        group_size = check_int("group_size", group_size, 1)
         if len(envs) % group_size:
             raise ValueError(f"group_size must divide the {len(envs)} environments, got {group_size}")
         wait = _in_thread(self.target.run_episodes, envs, params, max_turns)

@@ -95,7 +95,7 @@ class ClusterSessions:
         """Stop the executor's threads (turns on them end with the cluster's actors)."""
         with self._lock:
             if self._executor is not None:
-                self._executor.shutdown(wait=False)
+                self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
 
 

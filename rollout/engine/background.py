@@ -47,7 +47,7 @@ class BackgroundDriver:
         resolving to `pick(its RolloutOutput)` (or the error that ended it)."""
         engine = self._engine
         futures = [Future() for _ in requests]
-        with engine._guard.held():
+        with engine._guard.ahead_of_steps():  # an asyncio caller waits for one step at most
             engine._check_open()
             for r in requests:
                 engine.scheduler.add(r)
@@ -60,36 +60,46 @@ class BackgroundDriver:
         return futures
 
     def _run(self) -> None:
-        engine = self._engine
-        decode = engine.codec.decode if engine.codec is not None else None
-        while True:
+        try:
+            while self._step_once():
+                pass
+        except BaseException as e:  # never leave waiters hanging on a dead thread
+            self._fail_all(e)
             with self._lock:
-                cancelled = [rid for rid, entry in self._pending.items() if entry[1].cancelled()]
-                dropped = [self._pending.pop(rid)[0] for rid in cancelled]
-                if not self._pending and not dropped:
-                    self._thread = None
-                    return
-                pending = {rid: entry[0] for rid, entry in self._pending.items()}
-            if dropped:  # a cancelled turn (an asyncio task cancelled mid-await) is aborted, its KV freed
-                with engine._guard.held():
-                    if not engine._closed:
-                        engine.scheduler.abort(dropped)
-                    engine._guard.notify()
-            if not pending:
-                continue
-            try:
-                info, finished = engine._one_step(pending)
-            except BaseException as e:  # a failed step or a close: every waiter hears of it
-                self._fail_all(e)
-                continue
-            for rid, result in finished:
-                with self._lock:
-                    _, future, pick = self._pending.pop(rid)
-                _resolve(future, lambda result=result, pick=pick: pick(result.to_output(decode)))
-            try:
-                engine._after_step(info)
-            except BaseException as e:  # a step callback's error ends what this thread drives
-                self._fail_all(e)
+                self._thread = None
+
+    def _step_once(self) -> bool:
+        """One step for the pending requests; False once none is left (the thread ends)."""
+        engine = self._engine
+        with self._lock:
+            cancelled = [rid for rid, entry in self._pending.items() if entry[1].cancelled()]
+            dropped = [self._pending.pop(rid)[0] for rid in cancelled]
+            if not self._pending and not dropped:
+                self._thread = None
+                return False
+            pending = {rid: entry[0] for rid, entry in self._pending.items()}
+        if dropped:  # a cancelled turn (an asyncio task cancelled mid-await) is aborted, its KV freed
+            with engine._guard.held():
+                if not engine._closed:
+                    engine.scheduler.abort(dropped)
+                engine._guard.notify()
+        if not pending:
+            return True
+        try:
+            info, finished = engine._one_step(pending)
+        except BaseException as e:  # a failed step or a close: every waiter hears of it
+            self._fail_all(e)
+            return True
+        decode = engine.codec.decode if engine.codec is not None else None
+        for rid, result in finished:
+            with self._lock:
+                _, future, pick = self._pending.pop(rid)
+            _resolve(future, lambda result=result, pick=pick: pick(result.to_output(decode)))
+        try:
+            engine._after_step(info)
+        except BaseException as e:  # a step callback's error ends what this thread drives
+            self._fail_all(e)
+        return True
 
     def _fail_all(self, error: BaseException) -> None:
         engine = self._engine

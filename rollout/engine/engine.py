@@ -264,6 +264,11 @@ class Engine(WeightsAPI):
         """Start one session turn from `token_ids` on the background driver, its
         KV kept in `slot` when it finishes; the future gives its `Sample`."""
         self._check_open()
+        if threading.current_thread() is self._background.thread:
+            raise RuntimeError(
+                "a session turn from a step callback would wait on the thread that steps it; "
+                "run the turn from another thread"
+            )
         (request,) = make_requests(
             [token_ids],
             params,
@@ -279,7 +284,7 @@ class Engine(WeightsAPI):
         return future
 
     def _release_lease(self, slot: LeaseSlot) -> None:
-        with self._guard.held():
+        with self._guard.ahead_of_steps():  # bookkeeping: it waits for one step at most
             if not self._closed:
                 self.scheduler.kv.leases.close(slot)
 
@@ -321,11 +326,13 @@ class Engine(WeightsAPI):
             self._check_open()
             if not all(r.is_finished for r in pending.values()):  # else: finished by another caller's steps
                 started = time.perf_counter()
-                plan = self.scheduler.schedule(version)
+                # Scheduling publishes the pages a step will write (prefix cache): if scheduling,
+                # the step or the update fails midway, none of what it touched is trusted.
+                with self._recovering():
+                    plan = self.scheduler.schedule(version)
+                    if plan.chunks:
+                        self.scheduler.update(plan, self.stepper.step(plan))
                 if plan.chunks:
-                    with self._recovering():
-                        result = self.stepper.step(plan)
-                    self.scheduler.update(plan, result)
                     info = StepInfo.read(started, plan, self.scheduler)
                 elif self.scheduler.blocked_by_drain():
                     blocked = True

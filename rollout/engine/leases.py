@@ -43,6 +43,7 @@ class LeaseSlot:
 
     lease: KVLease | None = None
     closed: bool = False  # the session ended: a turn finishing now frees its pages instead
+    high_water: int = 0  # positions the session's KV ever covered: computing them again is a recompute
 
 
 @dataclass(eq=False)
@@ -64,6 +65,7 @@ class LeaseTable:
         """Move a finished sequence's pages into `slot` (the sequence is left with
         none); a closed slot's turn gives them back to the pool instead."""
         self.release(slot)
+        slot.high_water = max(slot.high_water, seq.kv_high_water)
         if slot.closed:
             for page in seq.block_table:
                 self.allocator.decref(page)
@@ -76,19 +78,23 @@ class LeaseTable:
         self._slots[id(slot)] = slot
 
     def adopt(self, seq: Sequence, slot: LeaseSlot) -> int:
-        """Give a new turn's sequence its session's pages; returns the tokens they cover.
+        """Give a new turn's sequence its session's pages; returns the tokens they cover (0: none).
 
-        Only the lease's leading tokens that the new sequence starts with
-        count (it always starts with all of them, as a session only
-        appends), and at least the last token is left to compute.
+        The lease counts only when the new sequence starts with all its token
+        ids (a session only appends; a lease that does not lead them is
+        released, never attached); at least the last token is left to compute.
         """
-        lease = self.take(slot)
+        seq.kv_high_water = max(seq.kv_high_water, slot.high_water)
+        lease = slot.lease
         if lease is None:
             return 0
-        assert not seq.block_table and seq.token_ids[: len(lease.token_ids)] == lease.token_ids
+        covered = min(lease.num_computed, seq.num_tokens - 1)
+        if seq.block_table or covered <= 0 or seq.token_ids[: len(lease.token_ids)] != lease.token_ids:
+            self.release(slot)
+            return 0
+        self.take(slot)
         seq.block_table, seq.page_keys = lease.block_table, lease.page_keys
-        seq.num_computed_tokens = min(lease.num_computed, seq.num_tokens - 1)
-        seq.kv_high_water = max(seq.kv_high_water, seq.num_computed_tokens)
+        seq.num_computed_tokens = covered
         seq.cacheable = lease.cacheable
         return seq.num_computed_tokens
 

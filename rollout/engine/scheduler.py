@@ -96,16 +96,19 @@ class Scheduler:
             forks = len(request.pending_forks) if request.leader is seq else 0
             if used + 1 + forks > self.max_batch_size:
                 break
-            if request.lease_slot is not None and request.lease_slot.lease is not None:
-                hit = self.kv.leases.adopt(seq, request.lease_slot)
-            else:
-                hit = self.kv.match_prefix(seq, version) if seq.cacheable else 0
+            slot = request.lease_slot
+            adopted = slot is not None and self.kv.leases.adopt(seq, slot) > 0
+            hit = seq.num_computed_tokens if adopted else (self.kv.match_prefix(seq, version) if seq.cacheable else 0)
             n = min(seq.num_uncomputed_tokens, budget)
             need = self.kv.pages_for(seq.num_computed_tokens + n) - len(seq.block_table) + forks
             while need > self.kv.allocator.num_free and self.kv.leases.release_oldest():
                 pass  # idle sessions' KV goes before a new sequence waits
             if need > self.kv.allocator.num_free or not self.kv.reserve(seq, n, plan.page_copies):
-                self.kv.free(seq)
+                if adopted:  # the session keeps its KV for when there is room
+                    self.kv.leases.keep(seq, slot)
+                    seq.cacheable = True
+                else:
+                    self.kv.free(seq)
                 break
             self.waiting.popleft()
             self.stats.prefix_hit_tokens += hit
@@ -187,9 +190,13 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.FORK_PENDING:
             seq.request.pending_forks.remove(seq)
-        if seq.request.lease_slot is not None:
-            self.kv.leases.keep(seq, seq.request.lease_slot)  # the session's next turn starts from it
+        slot = seq.request.lease_slot
+        if slot is not None and reason != "abort":
+            self.kv.leases.keep(seq, slot)  # the session's next turn starts from it
         else:
+            # An aborted turn never reaches its session's trajectory: its KV must not either.
+            if slot is not None:
+                self.kv.leases.release(slot)
             self.kv.free(seq)
         seq.mark_finished(reason)
         request = seq.request

@@ -85,6 +85,7 @@ class Session:
         self._logprobs = [0.0] * len(prompt_ids)
         self._versions = [-1] * len(prompt_ids)
         self._lock = threading.Lock()  # one call at a time changes the trajectory
+        self._state = threading.Lock()  # guards `_closed` only: close() never waits for a turn
         self._closed = False
         self.samples: list[Sample] = []  # every turn's sample, in order
         self._after_turn = False  # the trajectory ends with a sampled turn
@@ -171,12 +172,14 @@ class Session:
             return ids
 
     def close(self) -> None:
-        """Release the KV the session keeps between turns. Idempotent; the
-        trajectory stays readable, later turns raise."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._backend.release()
+        """Release the KV the session keeps between turns. Idempotent, and never
+        waits for a turn under way (that turn gives its pages back when it
+        ends). The trajectory stays readable; later turns raise."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+        self._backend.release()
 
     def __enter__(self) -> Session:
         return self
@@ -188,7 +191,9 @@ class Session:
     def _hold(self, what: str) -> _Held:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(f"session.{what}() while another call on the same session runs; one at a time")
-        if self._closed:
+        with self._state:
+            closed = self._closed
+        if closed:
             self._lock.release()
             raise ValueError(f"session.{what}() on a closed session")
         return _Held(self._lock)

@@ -59,3 +59,22 @@ def test_from_episodes_refuses_bad_groups(qwen2):
         RolloutBatch.from_episodes(episodes, PARAMS, 0, group_size=2)
     with pytest.raises(ValueError, match="no episodes"):
         RolloutBatch.from_episodes([], PARAMS, 0)
+
+
+def test_submit_episodes_checks_its_arguments_before_anything_runs(qwen2):
+    from trainer_bridge import TrainerBridge
+
+    engine = make_engine(qwen2.path)
+    bridge = TrainerBridge(engine)
+    envs = [ToolEnv(k) for k in range(4)]
+    with pytest.raises(ValueError, match="group_size"):
+        bridge.submit_episodes(envs, PARAMS, group_size=0)
+    with pytest.raises(ValueError, match="group_size must divide"):
+        bridge.submit_episodes(envs, PARAMS, group_size=3)
+    with pytest.raises(ValueError, match="max_turns"):
+        bridge.submit_episodes(envs, PARAMS, max_turns=0)
+    with pytest.raises(ValueError, match="n must be 1"):
+        bridge.submit_episodes(envs, SamplingParams(n=2))
+    assert engine.stats()["computed_tokens"] == 0
+    batch = bridge.collect(bridge.submit_episodes(envs, PARAMS, max_turns=4, group_size=2))
+    assert len(batch) == 4 and batch.group_index.tolist() == [0, 0, 1, 1]

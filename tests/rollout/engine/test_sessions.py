@@ -197,12 +197,15 @@ def test_idle_sessions_give_way_under_kv_pressure(long_ckpt):
     # A request that needs most of the pool runs: the leases are released, oldest first.
     (out,) = engine.generate([[3 + i % 90 for i in range(195)]], params(20))
     assert len(out.samples[0].token_ids) == 20
+    recomputed = engine.stats()["recomputed_tokens"]
     for sess in sessions:  # and every session still continues exactly, recomputing what it lost
         sess.append([7])
         sess.generate(params(2))
         assert_matches_reference(sess, {0: long_ckpt.hf})
         sess.close()
     assert engine.stats()["kv_pages_used"] == 0
+    # What the released leases held and the prefix cache no longer did is counted as recomputed.
+    assert 0 < engine.stats()["recomputed_tokens"] - recomputed <= 4 * 59
 
 
 def test_bad_session_input_is_refused_and_changes_nothing(long_ckpt):
@@ -255,3 +258,81 @@ def test_weight_push_during_a_turn_follows_recompute(long_ckpt, hf_b):
         turn = sess.generate(params(8))
         assert turn.versions == [0, 0, 0] + [1] * 5
         assert_matches_reference(sess, {0: long_ckpt.hf, 1: hf_b})
+
+
+class StepWatch:
+    """A step callback that sets `stepped` after a step once armed."""
+
+    def __init__(self) -> None:
+        self.armed, self.stepped = False, threading.Event()
+
+    def __call__(self, info) -> None:
+        if self.armed:
+            self.stepped.set()
+
+
+def test_a_cancelled_turn_leaves_the_session_as_it_was(long_ckpt):
+    watch = StepWatch()
+    engine = make_engine(long_ckpt.path, max_seq_len=1024, step_callback=watch)
+    sess = engine.session(list(range(3, 30)))
+    sess.generate(params(3))
+    before = sess.token_ids
+
+    async def cancel_mid_turn():
+        watch.armed = True
+        task = asyncio.ensure_future(sess.generate_async(params(400)))
+        assert await asyncio.get_running_loop().run_in_executor(None, watch.stepped.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_mid_turn())
+    watch.armed = False
+    assert sess.token_ids == before and sess.num_turns == 1
+    sess.append([4, 5])
+    sess.generate(params(3))  # continues from its own tokens, not the cancelled turn's
+    assert_matches_reference(sess, {0: long_ckpt.hf})
+    sess.close()
+    assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["session_leases"] == 0
+
+
+def test_a_failed_step_fails_the_turn_and_the_session_goes_on(long_ckpt, monkeypatch):
+    engine = make_engine(long_ckpt.path, max_seq_len=1024)
+    sess = engine.session(list(range(3, 40)))
+    sess.generate(params(3))
+    real_step = engine.stepper.step
+    calls = {"n": 0}
+
+    def fail_third(plan):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return real_step(plan)
+
+    monkeypatch.setattr(engine.stepper, "step", fail_third)
+    before = sess.token_ids
+    with pytest.raises(RuntimeError, match="device lost"):
+        sess.generate(params(6))
+    assert sess.token_ids == before
+    sess.generate(params(4))
+    assert_matches_reference(sess, {0: long_ckpt.hf})
+    sess.close()
+    assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_close_never_waits_for_a_turn_under_way(long_ckpt):
+    watch = StepWatch()
+    engine = make_engine(long_ckpt.path, max_seq_len=1024, step_callback=watch)
+    sess = engine.session(list(range(3, 30)))
+    result: dict = {}
+    watch.armed = True
+    worker = threading.Thread(target=lambda: result.setdefault("turn", sess.generate(params(400))))
+    worker.start()
+    assert watch.stepped.wait(30)
+    sess.close()  # returns while the 400-token turn still runs
+    assert worker.is_alive()
+    worker.join(120)
+    assert len(result["turn"].token_ids) == 400
+    assert engine.stats()["kv_pages_used"] == 0  # the closed session's turn gave its pages back
+    with pytest.raises(ValueError, match="closed"):
+        sess.generate(params(2))
