@@ -18,7 +18,7 @@ import random
 import torch
 
 from examples.grpo_demo import task
-from examples.grpo_demo.trainer import DemoConfig, _mismatch, _policy_step
+from examples.grpo_demo.trainer import DemoConfig, _mismatch, _policy_step, push_and_record
 from rollout import SamplingParams
 
 ASK = "?"
@@ -77,20 +77,8 @@ def train(cfg: DemoConfig, model, bridge, metrics, progress: bool) -> list[dict]
         pending = submit()  # the next episodes run while this batch trains
         mismatch = _mismatch(batch, snapshots)
         loss = _policy_step(model, optimizer, batch, batch.rewards, cfg.clip)
-        version = bridge.push(model)
-        snapshots[version] = copy.deepcopy(model).eval()
-        snapshots.pop(version - cfg.max_staleness - 2, None)
-        row = {
-            "step": step,
-            "reward": float(batch.rewards.mean()),
-            "ask_rate": float(_asked(batch).float().mean()),
-            "loss": loss,
-            "version": version,
-            "staleness_max": batch.staleness["max"],
-            "push_seconds": bridge.last_push_seconds,
-            "mismatch_mean_abs": mismatch["mean_abs"],
-            "mismatch_max_abs": mismatch["max_abs"],
-        }
+        row = push_and_record(cfg, model, bridge, snapshots, step, batch, batch.rewards, loss, mismatch)
+        row["ask_rate"] = float(_asked(batch).float().mean())
         rows.append(row)
         metrics.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
         bar.set_postfix(reward=f"{row['reward']:.2f}", ask=f"{row['ask_rate']:.2f}", stale=int(row["staleness_max"]))

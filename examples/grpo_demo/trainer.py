@@ -107,19 +107,7 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
         reward = task.rewards(prompts, batch)
         mismatch = _mismatch(batch, snapshots)
         loss = _policy_step(model, optimizer, batch, reward, cfg.clip)
-        version = bridge.push(model)
-        snapshots[version] = copy.deepcopy(model).eval()
-        snapshots.pop(version - cfg.max_staleness - 2, None)
-        row = {
-            "step": step,
-            "reward": float(reward.mean()),
-            "loss": loss,
-            "version": version,
-            "staleness_max": batch.staleness["max"],
-            "push_seconds": bridge.last_push_seconds,
-            "mismatch_mean_abs": mismatch["mean_abs"],
-            "mismatch_max_abs": mismatch["max_abs"],
-        }
+        row = push_and_record(cfg, model, bridge, snapshots, step, batch, reward, loss, mismatch)
         rows.append(row)
         metrics.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
         bar.set_postfix(
@@ -127,6 +115,23 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
         )
     pending.result(300)  # let the last rollouts finish before the cluster stops
     return rows
+
+
+def push_and_record(cfg: DemoConfig, model, bridge, snapshots: dict, step, batch, reward, loss, mismatch) -> dict:
+    """Push the trained weights, keep their snapshot for the mismatch metric, and return the step's row."""
+    version = bridge.push(model)
+    snapshots[version] = copy.deepcopy(model).eval()
+    snapshots.pop(version - cfg.max_staleness - 2, None)
+    return {
+        "step": step,
+        "reward": float(reward.mean()),
+        "loss": loss,
+        "version": version,
+        "staleness_max": batch.staleness["max"],
+        "push_seconds": bridge.last_push_seconds,
+        "mismatch_mean_abs": mismatch["mean_abs"],
+        "mismatch_max_abs": mismatch["max_abs"],
+    }
 
 
 def _policy_step(model, optimizer, batch, reward: torch.Tensor, clip: float) -> float:

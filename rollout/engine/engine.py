@@ -183,17 +183,7 @@ class Engine(WeightsAPI):
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        requests = make_requests(
-            prompts,
-            params,
-            self.config,
-            self.model_config,
-            self.codec,
-            rng=self._rng,
-            request_ids=self._request_ids,
-            seq_ids=self._seq_ids,
-        )
-        return self._drive(requests)
+        return self._drive(self._requests(prompts, params))
 
     def session(self, prompt, tools: list[dict] | None = None) -> Session:
         """A multi-turn episode starting from `prompt` (token ids, a string, or
@@ -269,8 +259,15 @@ class Engine(WeightsAPI):
                 "a session turn from a step callback would wait on the thread that steps it; "
                 "run the turn from another thread"
             )
-        (request,) = make_requests(
-            [token_ids],
+        (request,) = self._requests([token_ids], params)
+        request.lease_slot = slot
+        (future,) = self._background.submit([request], pick=_only_sample)
+        return future
+
+    def _requests(self, prompts, params: SamplingParams) -> list[Request]:
+        """Validated requests for `prompts` (see `make_requests`); raises before any exists."""
+        return make_requests(
+            prompts,
             params,
             self.config,
             self.model_config,
@@ -279,9 +276,6 @@ class Engine(WeightsAPI):
             request_ids=self._request_ids,
             seq_ids=self._seq_ids,
         )
-        request.lease_slot = slot
-        (future,) = self._background.submit([request], pick=_only_sample)
-        return future
 
     def _release_lease(self, slot: LeaseSlot) -> None:
         with self._guard.ahead_of_steps():  # bookkeeping: it waits for one step at most
