@@ -15,10 +15,12 @@ import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..outputs import RolloutOutput
 from .sequence import Request
+from .streams import SampleDelta, StreamCursor
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -28,13 +30,24 @@ def _whole(output: RolloutOutput) -> RolloutOutput:
     return output
 
 
+@dataclass(slots=True)
+class _Entry:
+    """A submitted request and who waits on it."""
+
+    request: Request
+    future: Future
+    pick: Callable[[RolloutOutput], object]
+    cursor: StreamCursor | None  # what a stream has been sent (streams only)
+    watch: Callable[[list[SampleDelta]], None] | None
+
+
 class BackgroundDriver:
     """Steps `engine` on a thread of its own while submitted requests are unfinished."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[Request, Future, Callable]] = {}  # request id -> its future, pick
+        self._pending: dict[int, _Entry] = {}  # request id -> what waits on it
         self._thread: threading.Thread | None = None
 
     @property
@@ -42,9 +55,16 @@ class BackgroundDriver:
         """The stepping thread while it runs (a drain from it would wait on itself)."""
         return self._thread
 
-    def submit(self, requests: list[Request], pick: Callable[[RolloutOutput], object] = _whole) -> list[Future]:
+    def submit(
+        self,
+        requests: list[Request],
+        pick: Callable[[RolloutOutput], object] = _whole,
+        streams: list[Callable[[list[SampleDelta]], None]] | None = None,
+    ) -> list[Future]:
         """Add `requests` to the engine and return one future per request, each
-        resolving to `pick(its RolloutOutput)` (or the error that ended it)."""
+        resolving to `pick(its RolloutOutput)` (or the error that ended it).
+        `streams[i]`, when given, gets request i's new tokens after every step
+        (on this driver's thread, before its future resolves)."""
         engine = self._engine
         futures = [Future() for _ in requests]
         with engine._guard.ahead_of_steps():  # an asyncio caller waits for one step at most
@@ -52,8 +72,9 @@ class BackgroundDriver:
             for r in requests:
                 engine.scheduler.add(r)
         with self._lock:
-            for r, f in zip(requests, futures, strict=True):
-                self._pending[r.request_id] = (r, f, pick)
+            for i, (r, f) in enumerate(zip(requests, futures, strict=True)):
+                watch = streams[i] if streams is not None else None
+                self._pending[r.request_id] = _Entry(r, f, pick, StreamCursor(r) if watch else None, watch)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="rollout-background-steps", daemon=True)
                 self._thread.start()
@@ -72,12 +93,13 @@ class BackgroundDriver:
         """One step for the pending requests; False once none is left (the thread ends)."""
         engine = self._engine
         with self._lock:
-            cancelled = [rid for rid, entry in self._pending.items() if entry[1].cancelled()]
-            dropped = [self._pending.pop(rid)[0] for rid in cancelled]
+            cancelled = [rid for rid, entry in self._pending.items() if entry.future.cancelled()]
+            dropped = [self._pending.pop(rid).request for rid in cancelled]
             if not self._pending and not dropped:
                 self._thread = None
                 return False
-            pending = {rid: entry[0] for rid, entry in self._pending.items()}
+            pending = {rid: entry.request for rid, entry in self._pending.items()}
+            watched = [entry for entry in self._pending.values() if entry.cursor is not None]
         if dropped:  # a cancelled turn (an asyncio task cancelled mid-await) is aborted, its KV freed
             with engine._guard.held():
                 if not engine._closed:
@@ -85,16 +107,23 @@ class BackgroundDriver:
                 engine._guard.notify()
         if not pending:
             return True
+        deltas: list[tuple[_Entry, list[SampleDelta]]] = []
+
+        def observe() -> None:  # under the guard, after the step
+            deltas.extend((entry, d) for entry in watched if (d := entry.cursor.deltas()))
+
         try:
-            info, finished = engine._one_step(pending)
+            info, finished = engine._one_step(pending, observe if watched else None)
         except BaseException as e:  # a failed step or a close: every waiter hears of it
             self._fail_all(e)
             return True
+        for entry, d in deltas:
+            entry.watch(d)
         decode = engine.codec.decode if engine.codec is not None else None
         for rid, result in finished:
             with self._lock:
-                _, future, pick = self._pending.pop(rid)
-            _resolve(future, lambda result=result, pick=pick: pick(result.to_output(decode)))
+                entry = self._pending.pop(rid)
+            _resolve(entry.future, lambda result=result, pick=entry.pick: pick(result.to_output(decode)))
         try:
             engine._after_step(info)
         except BaseException as e:  # a step callback's error ends what this thread drives
@@ -107,10 +136,10 @@ class BackgroundDriver:
             entries, self._pending = list(self._pending.values()), {}
         with engine._guard.held():
             if not engine._closed:
-                engine.scheduler.abort([entry[0] for entry in entries])
+                engine.scheduler.abort([entry.request for entry in entries])
             engine._guard.notify()  # a pending drain may be waiting on these
         for entry in entries:
-            _settle(entry[1].set_exception, error)
+            _settle(entry.future.set_exception, error)
 
 
 def _resolve(future: Future, make: Callable[[], object]) -> None:

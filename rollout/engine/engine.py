@@ -44,6 +44,7 @@ from .session import EngineTurns, Session
 from .step_stats import StepInfo, StepLog
 from .stepper import Stepper
 from .stop_strings import StopStrings
+from .streams import TokenStream
 from .version_guard import PolicyVersionGuard
 from .weight_update import WeightUpdater
 from .weights_api import WeightsAPI
@@ -185,6 +186,22 @@ class Engine(WeightsAPI):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         return self._drive(self._requests(prompts, params))
 
+    def stream(self, prompt, params: SamplingParams | None = None) -> TokenStream:
+        """Start sampling `params.n` responses to one prompt (token ids, a string
+        or chat messages) and return a `TokenStream` of their tokens as they are
+        sampled: `SampleDelta`s, then the finished `RolloutOutput`. Made inside
+        an event loop it is iterated with `async for`, else with `for`. The
+        prompt is checked here; `cancel()` aborts it."""
+        self._check_open()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        (request,) = self._requests([prompt], params)
+        stream = TokenStream()
+        (future,) = self._background.submit([request], streams=[stream.push])
+        stream.attach(future)
+        return stream
+
     def session(self, prompt, tools: list[dict] | None = None) -> Session:
         """A multi-turn episode starting from `prompt` (token ids, a string, or
         chat messages rendered with the generation prompt, `tools` passed to the
@@ -310,11 +327,14 @@ class Engine(WeightsAPI):
                     self.scheduler.abort(list(pending.values()))
                     self._guard.notify()  # a pending drain may be waiting on these
 
-    def _one_step(self, pending: dict[int, Request]) -> tuple[StepInfo | None, list[tuple[int, RequestResult]]]:
+    def _one_step(
+        self, pending: dict[int, Request], observe: Callable[[], None] | None = None
+    ) -> tuple[StepInfo | None, list[tuple[int, RequestResult]]]:
         """One step of whatever the scheduler plans (other callers' sequences
         included), unless `pending` is all finished; the step's record (None
         when no step ran) and the results of the finished ones among
-        `pending`, copied under the guard. Logged once the guard is released."""
+        `pending`, copied under the guard, where `observe()` runs too. Logged
+        once the guard is released."""
         info, blocked = None, False
         with self._guard.step() as version:
             self._check_open()
@@ -333,6 +353,8 @@ class Engine(WeightsAPI):
                 else:
                     raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
             finished = [(i, r.result()) for i, r in pending.items() if r.is_finished]
+            if observe is not None:
+                observe()
         if blocked:
             # A drain is pending and only new requests remain: wait for its commit (or a close).
             self._guard.wait_for(lambda: self._closed or not self.scheduler.blocked_by_drain(), timeout=1.0)

@@ -1,0 +1,132 @@
+"""`TokenStream`: one prompt's samples as they are sampled, token by token,
+for servers and UIs (`Engine.stream`).
+
+The engine's background driver (`engine/background.py`) steps the request;
+after every step it hands the stream what each sample gained since the last
+delta (copied under the guard, like every result). A stream made inside a
+running event loop delivers into that loop (`async for`); one made elsewhere
+into a thread-safe queue (`for`). Either way the last item is the finished
+`RolloutOutput` (`stream.output` once iteration ends), whose `text` is cut
+at a stop string as `generate`'s is; `cancel()` aborts the request and frees
+its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from ..outputs import RolloutOutput
+from .sequence import Request
+
+_END = object()
+
+
+@dataclass(frozen=True, slots=True)
+class SampleDelta:
+    """What one sample gained in a step."""
+
+    index: int  # which of the request's n samples
+    token_ids: tuple[int, ...]  # tokens sampled since the last delta
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    finish_reason: str | None  # set on the sample's last delta
+    restarted: bool = False  # a `restart` commit dropped the sample's earlier tokens: these start over
+
+
+class StreamCursor:
+    """How much of each sample a stream has delivered; `deltas` runs under the guard."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.sent = [0] * len(request.samples)
+        self.ended = [False] * len(request.samples)
+
+    def deltas(self) -> list[SampleDelta]:
+        out = []
+        for k, s in enumerate(self.request.samples):
+            if self.ended[k]:
+                continue
+            n, total = self.sent[k], s.num_output_tokens
+            restarted = total < n
+            start = 0 if restarted else n
+            if total > start or s.is_finished or restarted:
+                p = s.num_prompt_tokens
+                out.append(
+                    SampleDelta(
+                        k,
+                        tuple(s.token_ids[p + start :]),
+                        tuple(s.logprobs[start:]),
+                        tuple(s.versions[start:]),
+                        s.finish_reason,
+                        restarted,
+                    )
+                )
+                self.sent[k], self.ended[k] = total, s.is_finished
+        return out
+
+
+class TokenStream:
+    """Deltas of one request as they come; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._future: Future | None = None
+        self.output: RolloutOutput | None = None
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._items: asyncio.Queue | queue.Queue = asyncio.Queue() if self._loop else queue.Queue()
+
+    def attach(self, future: Future) -> None:
+        """The request's future: its outcome ends the stream (deltas may come before it is attached)."""
+        self._future = future
+        future.add_done_callback(self._done)
+
+    # -- the driver's side -------------------------------------------------------------
+    def push(self, deltas: list[SampleDelta]) -> None:
+        """Called on the driver thread after a step."""
+        self._put(deltas)
+
+    def _done(self, future: Future) -> None:
+        if future.cancelled():
+            self._put(asyncio.CancelledError())
+        elif future.exception() is not None:
+            self._put(future.exception())
+        else:
+            self._put(future.result())
+        self._put(_END)
+
+    def _put(self, item) -> None:
+        if self._loop is None:
+            self._items.put(item)
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+
+    # -- the consumer's side -----------------------------------------------------------
+    def cancel(self) -> None:
+        """Abort the request: its samples end, its KV is freed; iteration raises `CancelledError`."""
+        self._future.cancel()
+
+    def __iter__(self):
+        if self._loop is not None:
+            raise TypeError("this stream was made inside an event loop: iterate it with `async for`")
+        while (item := self._items.get()) is not _END:
+            yield from self._take(item)
+
+    async def __aiter__(self):
+        if self._loop is None:
+            raise TypeError("this stream was made outside an event loop: iterate it with `for`")
+        while (item := await self._items.get()) is not _END:
+            for delta in self._take(item):
+                yield delta
+
+    def _take(self, item):
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item, RolloutOutput):
+            self.output = item
+            return [item]
+        return item
