@@ -18,6 +18,7 @@ import torch
 from ..checks import is_int
 from ..engine.engine import Engine
 from ..engine.requests import PromptLimits
+from ..engine.streams import TokenStream
 from ..engine.weight_update import StagedUpdate, all_finite
 from ..model.weight_slots import WeightSlot
 from ..outputs import RolloutOutput, Sample
@@ -27,7 +28,7 @@ from .host import cap_malloc_arenas, lower_thread_priority, resident_bytes, touc
 from .wire import Manifest, TensorEntry
 from .wire_receive import VerifyShare, assemble, unpack, unpack_entries, verification_shares, verify_entries
 
-FAULTABLE = ("prepare_push", "generate_stream", "session_turn")  # methods `inject_fault` can make fail
+FAULTABLE = ("prepare_push", "generate_stream", "session_turn", "stream_tokens")  # methods `inject_fault` can make fail
 
 
 def check_bucket(bucket: np.ndarray, entries: tuple[TensorEntry, ...], checksums: bool = True) -> None:
@@ -74,6 +75,7 @@ class RolloutWorker:
         cap_malloc_arenas()
         self.engine = Engine(model_path, **engine_kwargs)
         self._sessions = EngineSessions(self.engine)
+        self._streams: dict[str, TokenStream] = {}  # the driver's stream id -> the engine's stream
         self._incoming: dict[str, dict[int, tuple[tuple[TensorEntry, ...], np.ndarray]]] = {}
         self._prepared: dict[str, tuple[StagedUpdate, tuple[np.ndarray, ...]]] = {}
         self._lock = threading.Lock()
@@ -130,6 +132,25 @@ class RolloutWorker:
         there is one (`actor_sessions.EngineSessions`)."""
         self._raise_injected("session_turn")
         return self._sessions.turn(session_id, token_ids, params)
+
+    def stream_tokens(self, stream_id: str, prompt: list[int], params: SamplingParams) -> Iterator:
+        """One prompt's samples token by token (`Engine.stream`): `SampleDelta`s
+        as they are sampled, then the finished `RolloutOutput`."""
+        self._raise_injected("stream_tokens")
+        stream = self.engine.stream(prompt, params)
+        self._streams[stream_id] = stream
+        try:
+            for item in stream:  # not `yield from`: Ray's generator protocol sends into it
+                yield item
+        finally:
+            self._streams.pop(stream_id, None)
+            stream.cancel()  # a no-op once finished; a driver that stopped reading frees the KV
+
+    def cancel_stream(self, stream_id: str) -> None:
+        """Abort the stream `stream_id` (its KV is freed); unknown ids are ignored."""
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            stream.cancel()
 
     def session_close(self, session_id: str) -> None:
         """Close the engine session kept for `session_id`, if any."""
@@ -247,7 +268,7 @@ class RolloutWorker:
 
     def inject_fault(self, method: str, message: str) -> None:
         """A test hook, not for production use: the next call of `method`
-        ("prepare_push", "generate_stream" or "session_turn") raises
+        ("prepare_push", "generate_stream", "session_turn" or "stream_tokens") raises
         `ValueError(message)`, so tests and failure drills can make one actor
         reject a push or fail a generation without killing it."""
         if method not in FAULTABLE:

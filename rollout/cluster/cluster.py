@@ -18,6 +18,7 @@ import torch
 from ..checks import check_int, check_positive
 from ..engine.requests import prompt_token_ids
 from ..engine.session import Session
+from ..engine.streams import TokenStream
 from ..episodes import Episode, run_episodes, run_episodes_async
 from ..model.config import ModelConfig
 from ..outputs import RolloutOutput
@@ -31,6 +32,7 @@ from .handles import GenerationHandle, PushHandle
 from .pushes import WeightPushes
 from .ray_runtime import connect, ray_module
 from .sessions import ClusterSessions, ClusterTurns
+from .streams import start_stream
 from .wire_send import DEFAULT_BUCKET_BYTES, BucketPacker
 
 
@@ -116,6 +118,17 @@ class RolloutCluster:
         self._pool.check_open()
         prompt_token_ids(prompt, self._limits, self._codec, tools)  # bad input raises before an actor is pinned
         return Session(ClusterTurns(self._sessions, self._limits, self._codec), prompt, self._limits, tools)
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> TokenStream:
+        """One prompt's samples token by token from the least loaded live actor,
+        as `Engine.stream` gives them: `SampleDelta`s, then the `RolloutOutput`
+        (see `rollout.cluster.streams`). The prompt is checked here first."""
+        return start_stream(self._pool, self._limits, self._codec, prompt, params, self.stall_timeout_s)
+
+    @property
+    def tokenizer(self) -> TextCodec | None:
+        """The checkpoint's tokenizer (and chat template) as the actors sent it; None without one."""
+        return self._codec
 
     def run_episodes(self, envs, params: SamplingParams | None = None, max_turns: int = 8) -> list[Episode]:
         """One multi-turn episode per environment, all at once, each a `session`

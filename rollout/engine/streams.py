@@ -114,7 +114,8 @@ class TokenStream:
         if self._loop is not None:
             raise TypeError("this stream was made inside an event loop: iterate it with `async for`")
         while (item := self._items.get()) is not _END:
-            yield from self._take(item)
+            for delta in self._take(item):  # not `yield from`: callers may `send` into the generator
+                yield delta
 
     async def __aiter__(self):
         if self._loop is None:

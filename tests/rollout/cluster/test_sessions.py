@@ -236,3 +236,27 @@ def test_the_module_verb_and_a_shut_down_cluster(ray_session, qwen2):
     with pytest.raises(RuntimeError, match="rollout.init"):
         rollout.session([3, 4, 5])
     sess.close()
+
+
+def test_cluster_stream_gives_the_engines_tokens_and_cancel_frees_the_kv(cluster, qwen2):
+    """`cluster.stream` (rollout/cluster/streams.py) delivers what an in-process
+    engine samples for the same seed, delta by delta; cancel aborts on the actor."""
+    from rollout.engine.streams import SampleDelta
+
+    p = SamplingParams(n=2, max_tokens=10, ignore_eos=True, seed=4)
+    (reference,) = make_engine(qwen2.path, max_seq_len=256).generate([PROMPT], p)
+    stream = cluster.stream(PROMPT, p)
+    tokens = {0: [], 1: []}
+    for item in stream:
+        if isinstance(item, SampleDelta):
+            tokens[item.index] += item.token_ids
+    assert [tokens[0], tokens[1]] == [s.token_ids for s in reference.samples]
+    assert [s.token_ids for s in stream.output.samples] == [s.token_ids for s in reference.samples]
+    used = sum(h["kv_pages_used"] for h in cluster.health())  # sessions of other tests may keep KV
+    long = cluster.stream(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+    first = next(iter(long))
+    assert isinstance(first, SampleDelta)
+    long.cancel()
+    wait_until(lambda: sum(h["kv_pages_used"] for h in cluster.health()) == used, 60)
+    with pytest.raises(ValueError, match="vocabulary"):
+        cluster.stream([1, 2, 10**6], p)
