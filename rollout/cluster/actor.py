@@ -140,7 +140,7 @@ class RolloutWorker:
         stream = self.engine.stream(prompt, params)
         self._streams[stream_id] = stream
         try:
-            for item in stream:  # not `yield from`: Ray's generator protocol sends into it
+            for item in stream:  # noqa: UP028 (not `yield from`: Ray's generator protocol sends into it)
                 yield item
         finally:
             self._streams.pop(stream_id, None)

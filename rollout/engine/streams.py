@@ -114,7 +114,7 @@ class TokenStream:
         if self._loop is not None:
             raise TypeError("this stream was made inside an event loop: iterate it with `async for`")
         while (item := self._items.get()) is not _END:
-            for delta in self._take(item):  # not `yield from`: callers may `send` into the generator
+            for delta in self._take(item):  # noqa: UP028 (`yield from` a list breaks a caller's `send`)
                 yield delta
 
     async def __aiter__(self):
