@@ -18,7 +18,7 @@ import torch
 from ..checks import is_int
 from ..engine.engine import Engine
 from ..engine.requests import PromptLimits
-from ..engine.streams import TokenStream
+from ..engine.streams import Generation, TokenStream
 from ..engine.weight_update import StagedUpdate, all_finite
 from ..model.weight_slots import WeightSlot
 from ..outputs import RolloutOutput, Sample
@@ -76,6 +76,7 @@ class RolloutWorker:
         self.engine = Engine(model_path, **engine_kwargs)
         self._sessions = EngineSessions(self.engine)
         self._streams: dict[str, TokenStream] = {}  # the driver's stream id -> the engine's stream
+        self._generations: dict[str, Generation] = {}  # generate_stream call id -> its iterator
         self._incoming: dict[str, dict[int, tuple[tuple[TensorEntry, ...], np.ndarray]]] = {}
         self._prepared: dict[str, tuple[StagedUpdate, tuple[np.ndarray, ...]]] = {}
         self._lock = threading.Lock()
@@ -118,13 +119,26 @@ class RolloutWorker:
                 raise RuntimeError(f"after loading the published weights, {name!r} differs from the manifest's bytes")
 
     def generate_stream(
-        self, indices: list[int], prompts: list[list[int]], params: SamplingParams
+        self, indices: list[int], prompts: list[list[int]], params: SamplingParams, call_id: str = ""
     ) -> Iterator[RolloutOutput]:
-        """Each prompt's output as it finishes, `index` set to the caller's prompt index."""
+        """Each prompt's output as it finishes, `index` set to the caller's prompt
+        index; `abort_generation(call_id)` ends the unfinished ones at once."""
         self._raise_injected("generate_stream")
-        for i, out in self.engine.generate_iter(prompts, params):
-            out.index = indices[i]
-            yield out
+        generation = self.engine.generate_iter(prompts, params)
+        self._generations[call_id] = generation
+        try:
+            for i, out in generation:
+                out.index = indices[i]
+                yield out
+        finally:
+            self._generations.pop(call_id, None)
+
+    def abort_generation(self, call_id: str) -> None:
+        """End the unfinished samples of the `generate_stream` call `call_id` now
+        (they are still yielded, with reason "abort"); unknown ids are ignored."""
+        generation = self._generations.get(call_id)
+        if generation is not None:
+            generation.abort()
 
     def session_turn(self, session_id: str, token_ids: list[int], params: SamplingParams) -> Sample:
         """One turn of the driver's session `session_id` from its whole
@@ -151,6 +165,10 @@ class RolloutWorker:
         stream = self._streams.get(stream_id)
         if stream is not None:
             stream.cancel()
+
+    def session_abort(self, session_id: str) -> None:
+        """End the turn of `session_id` in flight here, if any."""
+        self._sessions.abort(session_id)
 
     def session_close(self, session_id: str) -> None:
         """Close the engine session kept for `session_id`, if any."""

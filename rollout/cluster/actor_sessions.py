@@ -37,6 +37,7 @@ class EngineSessions:
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, tuple[int, Session]] = OrderedDict()  # id -> (turn ticket, session)
         self._running: Counter[str] = Counter()  # turns in flight per id
+        self._active: dict[str, Session] = {}  # id -> the session of its turn in flight (abort ends it)
         self._closed: OrderedDict[str, None] = OrderedDict()  # ids closed lately, oldest first
         self._tickets = itertools.count()
 
@@ -62,6 +63,8 @@ class EngineSessions:
         sess = None
         try:
             sess = self._continued(kept, token_ids)
+            with self._lock:
+                self._active[session_id] = sess
             sample = sess.generate(params)
         except BaseException:
             if sess is not None:
@@ -70,6 +73,13 @@ class EngineSessions:
             raise
         self._finish(session_id, ticket, sess)
         return sample
+
+    def abort(self, session_id: str) -> None:
+        """End `session_id`'s turn in flight, if any (it returns with reason "abort")."""
+        with self._lock:
+            sess = self._active.get(session_id)
+        if sess is not None:
+            sess.abort()
 
     def close(self, session_id: str) -> None:
         """Close `session_id`'s engine session (its KV goes back); idempotent."""
@@ -101,6 +111,8 @@ class EngineSessions:
         unless the session was closed meanwhile; evict beyond the bound."""
         dropped = []
         with self._lock:
+            if self._active.get(session_id) is sess:
+                del self._active[session_id]
             self._running[session_id] -= 1
             if not self._running[session_id]:
                 del self._running[session_id]

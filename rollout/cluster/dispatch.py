@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 from ..engine.requests import PromptLimits, validate_prompts
-from ..outputs import RolloutOutput
+from ..outputs import RolloutOutput, Sample
 from ..sampling_params import SamplingParams
 from ..tokenizer import TextCodec
 from .actor_slots import ActorGone, ActorSlot, unwrap
@@ -25,6 +25,9 @@ class OutputStream(Protocol):
     def next(self, timeout: float) -> RolloutOutput | None:
         """The next output, None if none came within `timeout` s; raises
         `ActorGone` when the actor died, or the actor's own error."""
+
+    def abort(self) -> None:
+        """Ask the actor to end the share's unfinished samples now (they still come back)."""
 
 
 class Pool(Protocol):
@@ -111,6 +114,7 @@ class GenerationDispatch:
             stream = self._pool.open_stream(
                 share.actor, share.slot.label, share.indices, [prompts[i] for i in share.indices], params
             )
+            handle._on_abort(stream.abort)
             threading.Thread(
                 target=self._consume,
                 args=(handle, prompts, params, share, stream),
@@ -136,7 +140,11 @@ class GenerationDispatch:
             self._unload(share, cost * len(remaining))
             self._pool.actor_died(share.slot, share.generation, "died while generating")
             lost = handle._missing(sorted(remaining))  # an output already delivered is never generated again
-            if lost:
+            if handle.aborted:  # nothing is regenerated after an abort: the lost samples end empty
+                for i in lost:
+                    empty = [Sample([], [], [], "abort") for _ in range(params.n)]
+                    handle._deliver(RolloutOutput(list(prompts[i]), empty, index=i))
+            elif lost:
                 try:
                     self._dispatch(handle, prompts, params, lost)
                 except BaseException as e:

@@ -26,6 +26,8 @@ class GenerationHandle:
         self._cond = threading.Condition()
         self._queue: queue.Queue[RolloutOutput | BaseException] = queue.Queue()
         self._where: dict[int, str] = {}  # prompt index -> the actor working on it, for errors
+        self.aborted = False
+        self._abort_hooks: list[Callable[[], None]] = []  # one per share in flight: ask its actor to abort
 
     def __len__(self) -> int:
         return len(self._results)
@@ -49,6 +51,14 @@ class GenerationHandle:
         self._queue.put(out)
         return True
 
+    def _on_abort(self, hook: Callable[[], None]) -> None:
+        """Register how to abort one share; run at once when the handle is aborted already."""
+        with self._cond:
+            if not self.aborted:
+                self._abort_hooks.append(hook)
+                return
+        hook()
+
     def _fail(self, error: BaseException) -> None:
         with self._cond:
             if self._error is None and self._remaining:
@@ -61,6 +71,19 @@ class GenerationHandle:
             return [i for i in indices if self._results[i] is None]
 
     # -- consumer side ---------------------------------------------------------------------
+    def abort(self) -> None:
+        """End every unfinished sample now: it is delivered with
+        `finish_reason="abort"` and the tokens, logprobs and versions sampled so
+        far; its KV is freed on its actor. Prompts already delivered are not
+        touched; nothing is regenerated after an abort. Idempotent, thread-safe."""
+        with self._cond:
+            if self.aborted:
+                return
+            self.aborted = True
+            hooks, self._abort_hooks = self._abort_hooks, []
+        for hook in hooks:
+            hook()
+
     def done(self) -> bool:
         """Whether every output arrived or the generation failed."""
         with self._cond:

@@ -4,9 +4,11 @@ made, so `import rollout` never needs Ray."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,9 +255,15 @@ def control(handle, method: str):
 class ActorStream:
     """One actor's `generate_stream` call: its outputs as they finish."""
 
-    def __init__(self, refs, label: str) -> None:
+    def __init__(self, refs, label: str, handle=None, call_id: str = "") -> None:
         self._refs = refs  # Ray's generator of object refs, one per output
         self._label = label
+        self._handle, self._call_id = handle, call_id
+
+    def abort(self) -> None:
+        """Ask the actor to end this call's unfinished samples now; a dead actor has none left."""
+        with contextlib.suppress(Exception):
+            control(self._handle, "abort_generation").remote(self._call_id)
 
     def next(self, timeout: float) -> RolloutOutput | None:
         """The next output, or None when none came within `timeout` s.
@@ -274,5 +282,6 @@ class ActorStream:
 
 def open_stream(handle, label: str, indices: list[int], prompts: list[list[int]], params) -> ActorStream:
     """Start `generate_stream` on the actor `handle`, on its generate threads."""
-    refs = handle.generate_stream.options(concurrency_group=GENERATE).remote(indices, prompts, params)
-    return ActorStream(refs, label)
+    call_id = uuid.uuid4().hex
+    refs = handle.generate_stream.options(concurrency_group=GENERATE).remote(indices, prompts, params, call_id)
+    return ActorStream(refs, label, handle, call_id)

@@ -150,6 +150,11 @@ class ClusterTurns:
             self.slot.load += cost
             return self.slot, self.generation
 
+    def abort(self) -> None:
+        """End the turn in flight on the pinned actor (it returns with reason "abort")."""
+        with contextlib.suppress(Exception):  # a dead actor has no turn left to end
+            control(self.slot.handle, "session_abort").remote(self.session_id)
+
     def release(self) -> None:
         """Drop the engine session on the pinned actor; idempotent."""
         if not self._released:

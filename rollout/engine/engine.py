@@ -44,7 +44,7 @@ from .session import EngineTurns, Session
 from .step_stats import StepInfo, StepLog
 from .stepper import Stepper
 from .stop_strings import StopStrings
-from .streams import TokenStream
+from .streams import Generation, TokenStream
 from .version_guard import PolicyVersionGuard
 from .weight_update import WeightUpdater
 from .weights_api import WeightsAPI
@@ -173,18 +173,21 @@ class Engine(WeightsAPI):
         outputs = dict(self.generate_iter(prompts, params))  # every prompt's, or it raised
         return [outputs[i] for i in range(len(outputs))]
 
-    def generate_iter(self, prompts, params: SamplingParams | None = None) -> Iterator[tuple[int, RolloutOutput]]:
+    def generate_iter(self, prompts, params: SamplingParams | None = None) -> Generation:
         """Like `generate`, but yields `(prompt index, output)` as each prompt's
         samples finish, in completion order. Arguments are validated before
         this returns; the requests join the engine at the first `next`, so an
         iterator never advanced holds nothing. Closing the iterator early
-        aborts the unfinished prompts."""
+        aborts the unfinished prompts and drops them; `abort()` (from any
+        thread) ends them at once and the iterator still yields them, with
+        `finish_reason="abort"` and the tokens sampled so far."""
         self._check_open()
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        return self._drive(self._requests(prompts, params))
+        requests = self._requests(prompts, params)
+        return Generation(self._drive(requests), lambda: self._abort(requests))
 
     def stream(self, prompt, params: SamplingParams | None = None) -> TokenStream:
         """Start sampling `params.n` responses to one prompt (token ids, a string
@@ -279,6 +282,7 @@ class Engine(WeightsAPI):
         (request,) = self._requests([token_ids], params)
         request.lease_slot = slot
         (future,) = self._background.submit([request], pick=_only_sample)
+        slot.request = request  # what Session.abort ends
         return future
 
     def _requests(self, prompts, params: SamplingParams) -> list[Request]:
@@ -304,11 +308,25 @@ class Engine(WeightsAPI):
         if info is not None and self._step_callback is not None:
             self._step_callback(info)
 
+    def _abort(self, requests: list[Request]) -> None:
+        """End every unfinished sample of `requests` now with reason "abort",
+        tokens kept, KV freed; those not yet added to the scheduler end too."""
+        with self._guard.ahead_of_steps():
+            self._check_open()
+            live = set(map(id, self.scheduler.requests))
+            self.scheduler.abort([r for r in requests if id(r) in live])
+            for r in requests:
+                for s in r.samples:
+                    if not s.is_finished:
+                        s.mark_finished("abort")
+            self._guard.notify()  # a drain may wait on these; a drive blocked on a drain wakes
+
     def _drive(self, requests: list[Request]) -> Iterator[tuple[int, RolloutOutput]]:
         with self._guard.held():
             self._check_open()
             for r in requests:
-                self.scheduler.add(r)
+                if not r.is_finished:  # aborted before it started
+                    self.scheduler.add(r)
         opened = self._iterators.open(requests)
         decode = self.codec.decode if self.codec is not None else None
         pending = dict(enumerate(requests))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from workspace import PageAllocator
 
-from .sequence import Sequence
+from .sequence import Request, Sequence
 
 
 @dataclass(eq=False, slots=True)
@@ -44,6 +44,7 @@ class LeaseSlot:
     lease: KVLease | None = None
     closed: bool = False  # the session ended: a turn finishing now frees its pages instead
     high_water: int = 0  # positions the session's KV ever covered: computing them again is a recompute
+    request: Request | None = None  # the session's latest turn (Session.abort ends it)
 
 
 @dataclass(eq=False)

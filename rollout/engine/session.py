@@ -48,6 +48,9 @@ class SessionBackend(Protocol):
     def release(self) -> None:
         """Free what the session holds between turns (idempotent)."""
 
+    def abort(self) -> None:
+        """End the turn under way, if any, keeping what it sampled (thread-safe)."""
+
 
 class EngineTurns:
     """A session's turns on one in-process `Engine`, its KV leased between
@@ -66,6 +69,10 @@ class EngineTurns:
 
     def release(self) -> None:
         self._engine._release_lease(self._slot)
+
+    def abort(self) -> None:
+        if self._slot.request is not None:
+            self._engine._abort([self._slot.request])
 
 
 class Session:
@@ -170,6 +177,13 @@ class Session:
             self._versions += [-1] * len(ids)
             self._after_turn = self._after_turn and not ids
             return ids
+
+    def abort(self) -> None:
+        """End the turn under way now: it returns with `finish_reason="abort"` and
+        the tokens sampled so far, which join the trajectory. Safe from any
+        thread or task; a no-op between turns. The next turn recomputes the
+        session's KV (an aborted turn's pages are not kept)."""
+        self._backend.abort()
 
     def close(self) -> None:
         """Release the KV the session keeps between turns. Idempotent, and never

@@ -1,5 +1,6 @@
-"""`TokenStream`: one prompt's samples as they are sampled, token by token,
-for servers and UIs (`Engine.stream`).
+"""Results as they come: `TokenStream`, one prompt's samples token by token,
+for servers and UIs (`Engine.stream`); and `Generation`, the iterator of
+`Engine.generate_iter`, prompts as they finish, with `abort()`.
 
 The engine's background driver (`engine/background.py`) steps the request;
 after every step it hands the stream what each sample gained since the last
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -131,3 +133,27 @@ class TokenStream:
             self.output = item
             return [item]
         return item
+
+
+class Generation:
+    """The iterator `Engine.generate_iter` returns: `(prompt index, output)`
+    pairs as prompts finish, and `abort()`."""
+
+    def __init__(self, outputs: Iterator[tuple[int, RolloutOutput]], abort: Callable[[], None]) -> None:
+        self._outputs = outputs
+        self._abort = abort
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> tuple[int, RolloutOutput]:
+        return next(self._outputs)
+
+    def close(self) -> None:
+        """Stop early: unfinished prompts are aborted and not yielded."""
+        self._outputs.close()
+
+    def abort(self) -> None:
+        """End every unfinished sample now (`finish_reason="abort"`, tokens so far
+        kept, KV freed); iteration then yields them. Safe from any thread."""
+        self._abort()

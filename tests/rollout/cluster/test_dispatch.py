@@ -29,6 +29,10 @@ class FakeStream:
     def __init__(self, actor: FakeActor, indices: list[int], prompts: list[list[int]], params) -> None:
         self.actor, self.indices, self.prompts, self.params = actor, indices, prompts, params
         self.items: queue.Queue = queue.Queue()
+        self.aborted = threading.Event()
+
+    def abort(self) -> None:
+        self.aborted.set()
 
     def next(self, timeout: float):
         item = self.items.get(timeout=WAIT)
@@ -222,3 +226,20 @@ def _take(handle, k: int) -> list[RolloutOutput]:
     """The next `k` outputs as they finish."""
     outputs = handle.as_completed(timeout=WAIT)
     return [next(outputs) for _ in range(k)]
+
+
+def test_abort_reaches_every_share_and_regenerates_nothing_after_a_death():
+    pool = FakePool([0, 0])
+    dispatch = GenerationDispatch(pool, LIMITS, None, stall_timeout_s=WAIT)
+    handle = dispatch.submit([[1, 2], [3, 4]], PARAMS)
+    dead, alive = pool.actor(0).stream(0), pool.actor(1).stream(0)
+    handle.abort()
+    assert dead.aborted.is_set() and alive.aborted.is_set()
+    dead.items.put(ActorGone("actor 0 died"))
+    alive.emit_all()
+    outs = handle.result(WAIT)
+    (lost,) = dead.indices
+    assert all(s.finish_reason == "abort" and s.token_ids == [] for s in outs[lost].samples)
+    assert len(outs[lost].samples) == PARAMS.n and outs[lost].prompt_token_ids == [[1, 2], [3, 4]][lost]
+    assert len(pool.actor(1).streams) == 1  # nothing dispatched again
+    handle.abort()  # idempotent

@@ -21,6 +21,7 @@ from rollout.cluster.actor_sessions import EngineSessions
 from rollout.cluster.ray_runtime import control
 from rollout.cluster.sessions import ClusterSessions
 from tests.conftest import make_engine
+from tests.factories import hf_logprobs
 from tests.rollout.cluster.test_cluster import wait_until
 from tests.rollout.engine.test_sessions import assert_matches_reference, params
 
@@ -260,3 +261,42 @@ def test_cluster_stream_gives_the_engines_tokens_and_cancel_frees_the_kv(cluster
     wait_until(lambda: sum(h["kv_pages_used"] for h in cluster.health()) == used, 60)
     with pytest.raises(ValueError, match="vocabulary"):
         cluster.stream([1, 2, 10**6], p)
+
+
+def test_cluster_abort_racing_a_push_ends_every_sample_and_frees_the_kv(cluster, qwen2, hold):
+    """`GenerationHandle.abort()`: unfinished samples on both actors end with
+    finish_reason "abort" and the tokens sampled so far; a push racing it
+    commits; KV goes back on every actor; the cluster serves on."""
+    used = sum(h["kv_pages_used"] for h in cluster.health())
+    p = SamplingParams(n=2, max_tokens=200, ignore_eos=True, logprobs_mode="raw")
+    prompts = [PROMPT, PROMPT[:7], PROMPT[2:], PROMPT[:5]]
+    hold.touch()  # every step now waits for the file to go: the generation stays in flight
+    try:
+        handle = cluster.submit(prompts, p)
+        wait_until(lambda: all(h.get("running", 0) for h in cluster.health()), 60)
+        barrier = threading.Barrier(2, timeout=60)
+        pushed: dict = {}
+
+        def push() -> None:
+            barrier.wait()
+            pushed["version"] = cluster.push_weights(qwen2.hf.state_dict())  # the same weights: a new version
+
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        barrier.wait()
+        handle.abort()
+    finally:
+        hold.unlink()
+    pusher.join(120)
+    outs = handle.result(120)
+    assert pushed["version"] == cluster.policy_version()
+    for out in outs:
+        for s in out.samples:
+            assert s.finish_reason == "abort" and len(s.token_ids) < 200
+            assert len(s.token_ids) == len(s.logprobs) == len(s.versions)
+            if s.token_ids:  # the weights never changed: every kept token is exact under them
+                ref = hf_logprobs(qwen2.hf, out.prompt_token_ids, s.token_ids)
+                assert torch.allclose(torch.tensor(s.logprobs, dtype=torch.float64), ref, atol=1e-4)
+    wait_until(lambda: sum(h["kv_pages_used"] for h in cluster.health()) == used, 60)
+    (after,) = cluster.generate([PROMPT], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert after.samples[0].finish_reason == "length" and after.samples[0].versions == [pushed["version"]] * 4
