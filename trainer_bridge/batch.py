@@ -45,6 +45,8 @@ class RolloutBatch:
     # [B, R] int64, 1 on every real response token, observations included; None: response_mask
     # (one turn, where every response token is sampled). Attention uses it, the loss response_mask.
     response_attention: torch.Tensor | None = None
+    prompts: list = field(default_factory=list)  # per group, the prompt as submitted (TrainerBridge.collect)
+    collect_stats: dict = field(default_factory=dict)  # what collect dropped, aborted, carried, refilled
 
     @classmethod
     def from_outputs(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from rollout.checks import check_int
 from rollout.episodes import Episode, check_episode_args
 
 from .batch import RolloutBatch
+from .group_collector import EngineRun, GroupCollector
 from .names import export_state_dict
 from .staleness import StalenessPolicy
 
@@ -23,14 +24,18 @@ from .staleness import StalenessPolicy
 class PendingRollout:
     """Rollouts started by `TrainerBridge.submit`; hand it to `collect`."""
 
-    def __init__(self, prompts, params: SamplingParams, wait, started: float) -> None:
+    def __init__(self, prompts, params: SamplingParams, source, started: float) -> None:
         self.prompts = prompts
         self.params = params
-        self._wait = wait  # timeout -> list[RolloutOutput]
+        self.source = source  # a GenerationHandle or an EngineRun: outputs as they finish, abort
+        self._wait = source.result  # timeout -> list[RolloutOutput]
         self.started = started
 
     def result(self, timeout: float | None = None) -> list[RolloutOutput]:
         return self._wait(timeout)
+
+
+LEFTOVERS = ("abort", "keep")
 
 
 class PendingEpisodes:
@@ -72,6 +77,7 @@ class TrainerBridge:
         self.metrics = metrics
         self.last_push_seconds: float | None = None
         self.last_push_pause: float | None = None  # longest step gap across the last push (with metrics)
+        self._carry: list[tuple] = []  # sources kept running by collect(leftover="keep"), with their prompts
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,9 +137,8 @@ class TrainerBridge:
         params = SamplingParams() if params is None else params
         started = time.perf_counter()
         if isinstance(self.target, RolloutCluster):
-            handle = self.target.submit(prompts, params)
-            return PendingRollout(prompts, params, handle.result, started)
-        return PendingRollout(prompts, params, _in_thread(self.target.generate, prompts, params), started)
+            return PendingRollout(prompts, params, self.target.submit(prompts, params), started)
+        return PendingRollout(prompts, params, EngineRun(self.target, prompts, params), started)
 
     def submit_episodes(
         self, envs, params: SamplingParams | None = None, max_turns: int = 8, group_size: int = 1
@@ -150,10 +155,32 @@ class TrainerBridge:
         wait = _in_thread(self.target.run_episodes, envs, params, max_turns)
         return PendingEpisodes(envs, params, wait, time.perf_counter(), group_size)
 
-    def collect(self, pending: PendingRollout | PendingEpisodes, timeout: float | None = None) -> RolloutBatch:
-        """Wait for `pending`, apply the staleness policy, and batch the result."""
+    def collect(
+        self,
+        pending: PendingRollout | PendingEpisodes,
+        timeout: float | None = None,
+        *,
+        min_groups: int | None = None,
+        leftover: str = "abort",
+        keep_group: Callable[[RolloutOutput, object], bool] | None = None,
+        refill: Callable[[int], list] | None = None,
+        max_refills: int = 8,
+    ) -> RolloutBatch:
+        """Wait for `pending`, apply the staleness policy, and batch the result.
+
+        Over-sampling: with `min_groups=k` the batch is the first k prompt
+        groups to finish; the rest are aborted (`leftover="abort"`, their KV
+        freed) or keep running into the next `collect` (`"keep"`), within the
+        staleness bound. Dynamic sampling: `keep_group(output, prompt)` drops
+        the groups it rejects (e.g. all-equal rewards); `refill(n)` gives more
+        prompts when the submitted ones run out before k groups pass. The
+        batch's `prompts` names each group's prompt, `collect_stats` what was
+        dropped, aborted, carried and refilled.
+        """
         if isinstance(pending, PendingEpisodes):
             return self._collect_episodes(pending, timeout)
+        if min_groups is not None or keep_group is not None:
+            return self._collect_groups(pending, timeout, min_groups, leftover, keep_group, refill, max_refills)
         outputs = pending.result(timeout)
         submitted = len(outputs)
         for _ in range(self.policy.max_regenerations + 1):
@@ -177,6 +204,42 @@ class TrainerBridge:
         batch = RolloutBatch.from_outputs(outputs, pending.params, current, self.pad_token_id)
         if self.metrics is not None:  # kv_usage asks every actor: only when someone listens
             self._log_batch(batch, pending, submitted - len(outputs))
+        return batch
+
+    def _collect_groups(self, pending, timeout, min_groups, leftover, keep_group, refill, max_refills) -> RolloutBatch:
+        if leftover not in LEFTOVERS:
+            raise ValueError(f"leftover must be one of {LEFTOVERS}, got {leftover!r}")
+        k = check_int("min_groups", len(pending.prompts) if min_groups is None else min_groups, 1)
+        max_refills = check_int("max_refills", max_refills, 0)
+        current, bound = self.policy_version, self.policy.max_staleness
+
+        def is_stale(out: RolloutOutput) -> bool:
+            return bound is not None and any(current - v > bound for s in out.samples for v in s.versions)
+
+        def more(want: int) -> tuple:
+            prompts = list(refill(want))
+            return self.submit(prompts, pending.params).source, prompts
+
+        collector = GroupCollector(k, keep_group, is_stale, more if refill is not None else None, max_refills)
+        sources, self._carry = [*self._carry, (pending.source, list(pending.prompts))], []
+        outputs, prompts, leftovers = collector.collect(sources, timeout)
+        waiting = sum(source.remaining for source, _ in leftovers)
+        if leftover == "abort":
+            for source, _ in leftovers:
+                source.abort()  # its outputs still arrive, unread: the KV is what matters
+            collector.stats["aborted_groups"] = waiting
+        else:
+            self._carry = leftovers
+        collector.stats["carried_groups"] = waiting if leftover == "keep" else 0
+        if not outputs:
+            raise ValueError(f"no prompt group passed after {collector.stats}; loosen keep_group or give refill")
+        for out in outputs:
+            out.index = None  # groups are numbered in batch order
+        batch = RolloutBatch.from_outputs(outputs, pending.params, current, self.pad_token_id)
+        batch.prompts, batch.collect_stats = prompts, dict(collector.stats)
+        if self.metrics is not None:
+            self._log_batch(batch, pending, collector.stats["dropped_groups"] + collector.stats["stale_groups"])
+            self._log({f"rollout/{name}": value for name, value in collector.stats.items()})
         return batch
 
     def _collect_episodes(self, pending: PendingEpisodes, timeout: float | None) -> RolloutBatch:

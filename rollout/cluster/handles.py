@@ -27,6 +27,7 @@ class GenerationHandle:
         self._queue: queue.Queue[RolloutOutput | BaseException] = queue.Queue()
         self._where: dict[int, str] = {}  # prompt index -> the actor working on it, for errors
         self.aborted = False
+        self._taken = 0  # outputs handed out by next_output
         self._abort_hooks: list[Callable[[], None]] = []  # one per share in flight: ask its actor to abort
 
     def __len__(self) -> int:
@@ -84,6 +85,24 @@ class GenerationHandle:
         for hook in hooks:
             hook()
 
+    @property
+    def remaining(self) -> int:
+        """Outputs `next_output` has not handed out yet."""
+        return len(self._results) - self._taken
+
+    def next_output(self, timeout: float | None) -> RolloutOutput | None:
+        """The next prompt to finish, or None when none did within `timeout` s
+        (0: do not wait); raises the generation's error. Shares its order with
+        `as_completed`: use one or the other."""
+        try:
+            item = self._queue.get(timeout=timeout) if timeout != 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        self._taken += 1
+        return item
+
     def done(self) -> bool:
         """Whether every output arrived or the generation failed."""
         with self._cond:
@@ -138,6 +157,24 @@ class PushHandle:
             self._error = e
         finally:
             self._done.set()
+
+    @property
+    def remaining(self) -> int:
+        """Outputs `next_output` has not handed out yet."""
+        return len(self._results) - self._taken
+
+    def next_output(self, timeout: float | None) -> RolloutOutput | None:
+        """The next prompt to finish, or None when none did within `timeout` s
+        (0: do not wait); raises the generation's error. Shares its order with
+        `as_completed`: use one or the other."""
+        try:
+            item = self._queue.get(timeout=timeout) if timeout != 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        self._taken += 1
+        return item
 
     def done(self) -> bool:
         """Whether the push has committed or failed."""

@@ -1,0 +1,96 @@
+"""`TrainerBridge.collect` with over-sampling (`min_groups`, `leftover`) and
+dynamic sampling (`keep_group`, `refill`), on an in-process engine: the batch
+holds exactly the groups asked for, each complete and named by its prompt;
+what was aborted, carried, dropped and refilled is counted; aborted groups'
+KV is freed; carried groups arrive in the next batch."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rollout import SamplingParams
+from tests.conftest import make_engine
+from trainer_bridge import TrainerBridge
+
+PARAMS = SamplingParams(n=2, max_tokens=40, stop_token_ids=[7, 8, 9], seed=1)  # lengths vary: a long tail
+PROMPTS = [[10 + i, 20, 30 + i] for i in range(8)]
+
+
+def _wait_free(engine) -> None:
+    deadline = time.monotonic() + 30
+    while engine.stats()["kv_pages_used"]:
+        assert time.monotonic() < deadline, "aborted groups kept their KV"
+        time.sleep(0.02)
+
+
+def _assert_groups(batch, prompts) -> None:
+    """Each batch group is one whole submitted group, named by its prompt."""
+    assert len(batch.prompts) == len(set(map(tuple, batch.prompts))) == batch.group_index.max().item() + 1
+    for g, prompt in enumerate(batch.prompts):
+        rows = (batch.group_index == g).nonzero().flatten().tolist()
+        assert len(rows) == PARAMS.n and prompt in prompts
+        for r in rows:
+            ids = batch.prompt_ids[r][batch.prompt_mask[r].bool()].tolist()
+            assert ids == prompt
+            assert batch.finish_reasons[r] in ("stop", "length")
+
+
+def test_over_sampling_takes_the_first_groups_and_aborts_the_rest(qwen2):
+    engine = make_engine(qwen2.path)
+    bridge = TrainerBridge(engine)
+    batch = bridge.collect(bridge.submit(PROMPTS, PARAMS), timeout=60, min_groups=5)
+    _assert_groups(batch, PROMPTS)
+    assert len(batch.prompts) == 5
+    assert batch.collect_stats["aborted_groups"] == 3 and batch.collect_stats["carried_groups"] == 0
+    _wait_free(engine)
+
+
+def test_leftover_keep_carries_groups_into_the_next_batch(qwen2):
+    engine = make_engine(qwen2.path)
+    bridge = TrainerBridge(engine, max_staleness=0)
+    first = bridge.collect(bridge.submit(PROMPTS, PARAMS), timeout=60, min_groups=5, leftover="keep")
+    assert first.collect_stats["carried_groups"] == 3
+    fresh = [[50 + i, 20, 30] for i in range(4)]
+    second = bridge.collect(bridge.submit(fresh, PARAMS), timeout=60, min_groups=7, leftover="abort")
+    _assert_groups(second, PROMPTS + fresh)
+    carried = [p for p in second.prompts if p in PROMPTS]
+    assert len(carried) == 3 and not set(map(tuple, carried)) & set(map(tuple, first.prompts))
+    _wait_free(engine)
+
+
+def test_dynamic_sampling_drops_rejected_groups_and_refills(qwen2):
+    engine = make_engine(qwen2.path)
+    bridge = TrainerBridge(engine)
+    seen = []
+
+    def keep(output, prompt) -> bool:  # a stand-in for "rewards not all equal": even first tokens only
+        seen.append(prompt)
+        return prompt[0] % 2 == 0
+
+    asked = []
+
+    def refill(n: int) -> list:
+        asked.append(n)
+        return [[60 + 2 * i, 20, 30] for i in range(n)]
+
+    batch = bridge.collect(bridge.submit(PROMPTS, PARAMS), timeout=60, min_groups=6, keep_group=keep, refill=refill)
+    _assert_groups(batch, PROMPTS + [[60 + 2 * i, 20, 30] for i in range(8)])
+    assert all(p[0] % 2 == 0 for p in batch.prompts) and len(batch.prompts) == 6
+    stats = batch.collect_stats
+    assert stats["dropped_groups"] == 4  # the 4 odd prompts of PROMPTS
+    assert asked == [2] and stats["refill_prompts"] == 2  # 4 even ones passed; 2 more were asked for
+    assert len(seen) == 8 + 2
+
+
+def test_bad_collect_arguments(qwen2):
+    engine = make_engine(qwen2.path)
+    bridge = TrainerBridge(engine)
+    pending = bridge.submit(PROMPTS[:2], PARAMS)
+    with pytest.raises(ValueError, match="leftover"):
+        bridge.collect(pending, min_groups=1, leftover="later")
+    with pytest.raises(ValueError, match="min_groups"):
+        bridge.collect(pending, min_groups=0)
+    with pytest.raises(ValueError, match="no prompt group passed"):
+        bridge.collect(pending, keep_group=lambda out, prompt: False)
