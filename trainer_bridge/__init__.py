@@ -5,17 +5,22 @@ trainer's model)."""
 
 from .batch import RolloutBatch
 from .bridge import PendingRollout, TrainerBridge
+from .corrections import Correction, CorrectionResult, corrected_policy_loss, correction_weights
 from .logprobs import logprob_mismatch, token_logprobs
 from .names import canonical_name, export_state_dict
 from .staleness import STALE_ACTIONS, StalenessPolicy
 
 __all__ = [
     "STALE_ACTIONS",
+    "Correction",
+    "CorrectionResult",
     "PendingRollout",
     "RolloutBatch",
     "StalenessPolicy",
     "TrainerBridge",
     "canonical_name",
+    "corrected_policy_loss",
+    "correction_weights",
     "export_state_dict",
     "logprob_mismatch",
     "token_logprobs",
