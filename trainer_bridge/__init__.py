@@ -3,6 +3,7 @@ and dtype casts, rollouts as padded batches, the staleness bound),
 `RolloutBatch`, and `token_logprobs` (the engine's logprob math on the
 trainer's model)."""
 
+from .alarm import MismatchAlarm, WeightSyncError
 from .batch import RolloutBatch
 from .bridge import PendingRollout, TrainerBridge
 from .corrections import Correction, CorrectionResult, corrected_policy_loss, correction_weights
@@ -11,6 +12,8 @@ from .names import canonical_name, export_state_dict
 from .staleness import STALE_ACTIONS, StalenessPolicy
 
 __all__ = [
+    "MismatchAlarm",
+    "WeightSyncError",
     "STALE_ACTIONS",
     "Correction",
     "CorrectionResult",

@@ -15,8 +15,11 @@ from rollout import Engine, RolloutCluster, RolloutOutput, SamplingParams, gener
 from rollout.checks import check_int
 from rollout.episodes import Episode, check_episode_args
 
+from .alarm import MismatchAlarm
 from .batch import RolloutBatch
+from .corrections import correction_weights
 from .group_collector import EngineRun, GroupCollector
+from .logprobs import token_logprobs
 from .names import export_state_dict
 from .staleness import StalenessPolicy
 
@@ -68,6 +71,7 @@ class TrainerBridge:
         stale: str = "regenerate",
         pad_token_id: int = 0,
         metrics=None,
+        alarm: MismatchAlarm | None = None,
     ) -> None:
         if not isinstance(target, (RolloutCluster, Engine)):
             raise TypeError(f"target must be a RolloutCluster or an Engine, got {type(target).__name__}")
@@ -75,6 +79,7 @@ class TrainerBridge:
         self.policy = StalenessPolicy(max_staleness, stale)
         self.pad_token_id = pad_token_id
         self.metrics = metrics
+        self.alarm = MismatchAlarm() if alarm is None else alarm
         self.last_push_seconds: float | None = None
         self.last_push_pause: float | None = None  # longest step gap across the last push (with metrics)
         self._carry: list[tuple] = []  # sources kept running by collect(leftover="keep"), with their prompts
@@ -259,15 +264,35 @@ class TrainerBridge:
             self._log_batch(batch, pending, len(groups) - len(kept))
         return batch
 
+    def token_logprobs(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        """`token_logprobs(model, batch)` (the trainer's recompute, differentiable),
+        then the checks that catch sync bugs: the mismatch against the rollout
+        logprobs and the k1/k2/k3 KL estimates are logged, and the alarm
+        (`MismatchAlarm`) warns once or raises when the mismatch jumps."""
+        trainer = token_logprobs(model, batch)
+        _, stats = correction_weights(trainer.detach(), batch.old_logprobs.to(trainer.device), batch.response_mask)
+        self._log(
+            {
+                "mismatch/mean_abs": batch.mismatch["mean_abs"],
+                "mismatch/max_abs": batch.mismatch["max_abs"],
+                **{name: stats[name] for name in ("kl/k1", "kl/k2", "kl/k3", "is/ratio_mean", "is/ratio_max")},
+            }
+        )
+        self.alarm.check(batch.mismatch)
+        return trainer
+
     def _log_batch(self, batch: RolloutBatch, pending: PendingRollout | PendingEpisodes, dropped: int) -> None:
         tokens = int(batch.response_mask.sum())
         elapsed = time.perf_counter() - pending.started
+        lags = (batch.policy_version - batch.versions)[batch.response_mask.bool()]
         self._log(
             {
                 "rollout/tokens": tokens,
                 "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
                 "rollout/staleness_max": batch.staleness["max"],
                 "rollout/staleness_mean": batch.staleness["mean"],
+                # Staleness histogram: the share of tokens k versions behind.
+                **{f"rollout/staleness_{k}": float((lags == k).float().mean()) for k in lags.unique().tolist()},
                 "rollout/dropped_groups": dropped,
                 "rollout/kv_usage": self.kv_usage(),
             }
