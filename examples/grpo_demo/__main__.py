@@ -28,12 +28,23 @@ def main() -> None:
         default="rule",
         help="rule: one turn; tool: multi-turn, ask the environment for a secret digit, then answer",
     )
+    parser.add_argument(
+        "--oversample", type=float, default=0.0, help="submit this fraction more groups; train on the first to finish"
+    )
+    parser.add_argument("--tis", action="store_true", help="truncated importance sampling (docs/off_policy.md)")
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 150 if args.task == "tool" else 80
     summary = run(
         DemoConfig(
-            steps=args.steps, actors=args.actors, out=args.out, wandb=not args.no_wandb, seed=args.seed, task=args.task
+            steps=args.steps,
+            actors=args.actors,
+            out=args.out,
+            wandb=not args.no_wandb,
+            seed=args.seed,
+            task=args.task,
+            oversample=args.oversample,
+            tis=args.tis,
         )
     )
     print(json.dumps(summary, indent=2))

@@ -23,6 +23,7 @@ from examples.grpo_demo import task
 from rollout import SamplingParams
 from rollout.checks import check_int
 from trainer_bridge.bridge import TrainerBridge
+from trainer_bridge.corrections import corrected_policy_loss, correction_weights
 from trainer_bridge.grpo import clipped_policy_loss, group_advantages
 from trainer_bridge.logprobs import logprob_mismatch, token_logprobs
 from trainer_bridge.metrics import Metrics
@@ -43,10 +44,14 @@ class DemoConfig:
     max_staleness: int = 1
     seed: int = 0
     task: str = "rule"  # "rule": one turn (task.py); "tool": ask, then answer (tool.py)
+    oversample: float = 0.0  # submit this much more, train on the first prompts_per_step groups, carry the rest
+    tis: bool = False  # truncated importance sampling against the trainer's own logprobs (docs/off_policy.md)
 
     def __post_init__(self) -> None:
         for name in ("steps", "actors", "prompts_per_step", "n"):
             check_int(name, getattr(self, name), 1)
+        if not isinstance(self.oversample, (int, float)) or not 0 <= self.oversample <= 4:
+            raise ValueError(f"oversample must be a fraction in [0, 4], got {self.oversample!r}")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         self.out = Path(self.out)
@@ -96,17 +101,21 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
     params = SamplingParams(n=cfg.n, max_tokens=task.ANSWER_TOKENS, ignore_eos=True, temperature=1.0)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     snapshots = {0: copy.deepcopy(model).eval()}  # the policy behind each version, to measure mismatch
-    pending = bridge.submit(task.prompts(rng, cfg.prompts_per_step), params)
+    submitted = cfg.prompts_per_step + round(cfg.prompts_per_step * cfg.oversample)
+    pending = bridge.submit(task.prompts(rng, submitted), params)
     rows = []
     bar = tqdm(range(cfg.steps), desc="GRPO", unit="step", disable=not progress)
     for step in bar:
-        batch = bridge.collect(pending, timeout=300)
-        prompts = pending.prompts
+        if cfg.oversample:  # the first groups to finish; the others run on into the next step
+            batch = bridge.collect(pending, timeout=300, min_groups=cfg.prompts_per_step, leftover="keep")
+            prompts = batch.prompts
+        else:
+            batch, prompts = bridge.collect(pending, timeout=300), pending.prompts
         # The next batch generates while this one trains.
-        pending = bridge.submit(task.prompts(rng, cfg.prompts_per_step), params)
+        pending = bridge.submit(task.prompts(rng, submitted), params)
         reward = task.rewards(prompts, batch)
         mismatch = _mismatch(batch, snapshots)
-        loss = _policy_step(model, optimizer, batch, reward, cfg.clip)
+        loss = _policy_step(model, optimizer, batch, reward, cfg.clip, cfg.tis)
         row = push_and_record(cfg, model, bridge, snapshots, step, batch, reward, loss, mismatch)
         rows.append(row)
         metrics.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
@@ -134,12 +143,23 @@ def push_and_record(cfg: DemoConfig, model, bridge, snapshots: dict, step, batch
     }
 
 
-def _policy_step(model, optimizer, batch, reward: torch.Tensor, clip: float) -> float:
+def _policy_step(model, optimizer, batch, reward: torch.Tensor, clip: float, tis: bool = False) -> float:
     """One GRPO optimizer step on `batch`: group-relative advantages, the clipped
-    surrogate against the rollout logprobs; returns the loss."""
-    model.train()
+    surrogate against the rollout logprobs; returns the loss. With `tis`, the
+    surrogate is taken against the trainer's own logprobs before the step and
+    each token weighted by the truncated ratio to the rollout's (TIS)."""
     advantages = group_advantages(reward, batch.group_index)
-    loss = clipped_policy_loss(token_logprobs(model, batch), batch.old_logprobs, advantages, batch.response_mask, clip)
+    if tis:
+        with torch.no_grad():
+            trainer_old = token_logprobs(model.eval(), batch)
+        weights, _ = correction_weights(trainer_old, batch.old_logprobs, batch.response_mask, "tis", clip=2.0)
+        model.train()
+        new = token_logprobs(model, batch)
+        loss = corrected_policy_loss(new, trainer_old, advantages, batch.response_mask, weights, clip)
+    else:
+        model.train()
+        new = token_logprobs(model, batch)
+        loss = clipped_policy_loss(new, batch.old_logprobs, advantages, batch.response_mask, clip)
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()

@@ -92,3 +92,16 @@ def test_tool_environment_answers_only_an_ask():
     assert AskEnv(secret=9).step(Turn("0")) == (None, 0.0, True)  # no ask: the episode ends unrewarded
     with pytest.raises(ValueError, match="task"):
         DemoConfig(task="chess")
+
+
+def test_demo_with_over_sampling_and_tis(ray_session, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        cfg = DemoConfig(steps=4, actors=2, out=tmp_path / "os", wandb=False, oversample=0.5, tis=True)
+        summary = run(cfg, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["steps"] == 4 and summary["mean_abs_logprob_mismatch"] < 1e-4
+    with pytest.raises(ValueError, match="oversample"):
+        DemoConfig(oversample=-1)
