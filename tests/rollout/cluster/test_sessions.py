@@ -300,3 +300,24 @@ def test_cluster_abort_racing_a_push_ends_every_sample_and_frees_the_kv(cluster,
     wait_until(lambda: sum(h["kv_pages_used"] for h in cluster.health()) == used, 60)
     (after,) = cluster.generate([PROMPT], SamplingParams(max_tokens=4, ignore_eos=True))
     assert after.samples[0].finish_reason == "length" and after.samples[0].versions == [pushed["version"]] * 4
+
+
+def test_cluster_session_abort_ends_the_turn_on_its_actor(cluster, hold):
+    sess = cluster.session(PROMPT)
+    result: dict = {}
+    hold.touch()
+    try:
+        worker = threading.Thread(
+            target=lambda: result.setdefault("turn", sess.generate(SamplingParams(max_tokens=200, ignore_eos=True)))
+        )
+        worker.start()
+        wait_until(lambda: any(h.get("session_turns", 0) and h.get("running", 0) for h in cluster.health()), 60)
+        sess.abort()
+        wait_until(lambda: all(not h.get("running", 0) for h in cluster.health()), 60)  # ended while held
+    finally:
+        hold.unlink()
+    worker.join(60)
+    turn = result["turn"]
+    assert turn.finish_reason == "abort" and len(turn.token_ids) < 200
+    assert sess.token_ids == PROMPT + turn.token_ids
+    sess.close()
