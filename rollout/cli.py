@@ -1,11 +1,13 @@
-"""`rollout generate`: offline sampling from a checkpoint to JSON lines.
+"""`rollout generate`: offline sampling from a checkpoint to JSON lines;
+`rollout serve`: an OpenAI-compatible HTTP server (docs/serving.md).
 
     rollout generate --model DIR --prompts FILE.jsonl --n 8 --out OUT.jsonl
+    rollout serve --model DIR [--actors N] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
-Each input line is a JSON string (a text prompt), a list of token ids, or an
-object with "prompt" (text) or "prompt_token_ids". Each output line holds
-one prompt's samples with token ids, logprobs, versions, finish reasons and
-texts, in input order.
+Each input line of `generate` is a JSON string (a text prompt), a list of
+token ids, or an object with "prompt" (text) or "prompt_token_ids". Each
+output line holds one prompt's samples with token ids, logprobs, versions,
+finish reasons and texts, in input order.
 """
 
 from __future__ import annotations
@@ -108,6 +110,41 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    try:
+        from .server.run import serve as run_server  # FastAPI and uvicorn load for `serve` only
+    except ImportError as e:
+        raise ValueError(f"{e}; `rollout serve` needs `pip install 'rollout-engine[serve]'`") from None
+    return run_server(args)
+
+
+COMMANDS = {"generate": generate, "serve": serve}
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--kv-cache-tokens", type=int, default=None)
+
+
+def _serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
+    s.add_argument("--model", required=True, type=Path, help="Hugging Face checkpoint directory")
+    s.add_argument("--actors", type=int, default=0, help="serve from a Ray cluster of N rollout actors")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set ROLLOUT_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: DIR's name)")
+    s.add_argument("--max-n", type=int, default=None, help="samples per prompt (default: max batch size)")
+    s.add_argument("--max-tokens-limit", type=int, default=None, help="max_tokens bound (default: max seq len)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body bound (default: 1 MiB)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--access-log", action="store_true", help="log every request")
+    _engine_flags(s)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout", description="RL rollout engine tools")
     sub = p.add_subparsers(dest="command", required=True)
@@ -125,19 +162,16 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="processed")
-    g.add_argument("--device", default=None)
-    g.add_argument("--dtype", default="float32")
-    g.add_argument("--max-batch-size", type=int, default=256)
-    g.add_argument("--max-seq-len", type=int, default=None)
-    g.add_argument("--kv-cache-tokens", type=int, default=None)
+    _engine_flags(g)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    _serve_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return generate(args)
+        return COMMANDS[args.command](args)
     except (ValueError, TypeError, OSError) as e:
         print(f"rollout {args.command}: error: {e}", file=sys.stderr)
         return 2

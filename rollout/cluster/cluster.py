@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..checks import check_int, check_positive
-from ..engine.requests import prompt_token_ids
+from ..engine.requests import PromptLimits, prompt_token_ids
 from ..engine.session import Session
 from ..engine.streams import TokenStream
 from ..episodes import Episode, run_episodes, run_episodes_async
@@ -124,6 +124,11 @@ class RolloutCluster:
         as `Engine.stream` gives them: `SampleDelta`s, then the `RolloutOutput`
         (see `rollout.cluster.streams`). The prompt is checked here first."""
         return start_stream(self._pool, self._limits, self._codec, prompt, params, self.stall_timeout_s)
+
+    @property
+    def limits(self) -> PromptLimits:
+        """What a prompt must fit (vocabulary, context, batch size, KV pages), as the actors described it."""
+        return self._limits
 
     @property
     def tokenizer(self) -> TextCodec | None:

@@ -48,6 +48,7 @@ class BackgroundDriver:
         self._engine = engine
         self._lock = threading.Lock()
         self._pending: dict[int, _Entry] = {}  # request id -> what waits on it
+        self._incoming: list[_Entry] = []  # submitted, added to the scheduler by the driver's next step
         self._thread: threading.Thread | None = None
 
     @property
@@ -65,16 +66,12 @@ class BackgroundDriver:
         resolving to `pick(its RolloutOutput)` (or the error that ended it).
         `streams[i]`, when given, gets request i's new tokens after every step
         (on this driver's thread, before its future resolves)."""
-        engine = self._engine
+        self._engine._check_open()
         futures = [Future() for _ in requests]
-        with engine._guard.ahead_of_steps():  # an asyncio caller waits for one step at most
-            engine._check_open()
-            for r in requests:
-                engine.scheduler.add(r)
-        with self._lock:
+        with self._lock:  # never the guard: an event loop calling this must not wait for a step
             for i, (r, f) in enumerate(zip(requests, futures, strict=True)):
                 watch = streams[i] if streams is not None else None
-                self._pending[r.request_id] = _Entry(r, f, pick, StreamCursor(r) if watch else None, watch)
+                self._incoming.append(_Entry(r, f, pick, StreamCursor(r) if watch else None, watch))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="rollout-background-steps", daemon=True)
                 self._thread.start()
@@ -93,9 +90,19 @@ class BackgroundDriver:
         """One step for the pending requests; False once none is left (the thread ends)."""
         engine = self._engine
         with self._lock:
+            incoming, self._incoming = self._incoming, []
+        if incoming:  # the submitters did not wait for the guard: the driver adds their requests
+            with self._lock:  # pending first: if the engine closed meanwhile, _run fails them all
+                self._pending.update((entry.request.request_id, entry) for entry in incoming)
+            with engine._guard.held():
+                engine._check_open()
+                for entry in incoming:
+                    if not entry.request.is_finished:  # aborted before it joined
+                        engine.scheduler.add(entry.request)
+        with self._lock:
             cancelled = [rid for rid, entry in self._pending.items() if entry.future.cancelled()]
             dropped = [self._pending.pop(rid).request for rid in cancelled]
-            if not self._pending and not dropped:
+            if not self._pending and not dropped and not self._incoming:
                 self._thread = None
                 return False
             pending = {rid: entry.request for rid, entry in self._pending.items()}
@@ -133,7 +140,8 @@ class BackgroundDriver:
     def _fail_all(self, error: BaseException) -> None:
         engine = self._engine
         with self._lock:
-            entries, self._pending = list(self._pending.values()), {}
+            entries, self._pending = list(self._pending.values()) + self._incoming, {}
+            self._incoming = []
         with engine._guard.held():
             if not engine._closed:
                 engine.scheduler.abort([entry.request for entry in entries])

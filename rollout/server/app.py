@@ -1,0 +1,144 @@
+"""The ASGI app: routes, the API key, bounded request bodies.
+
+    GET  /health                 open: liveness and the policy version
+    GET  /v1/models              the one served model
+    POST /v1/completions         text or token-id prompts; streaming or not
+    POST /v1/chat/completions    chat messages, rendered by the checkpoint's own template
+    GET  /metrics                Prometheus text
+
+Each prompt is one `TokenStream` on the backend, so concurrent requests
+share the engine's steps, which its own thread runs. The event loop never
+runs the engine; `Engine.stream` does wait for the step under way to end
+before it returns (docs/serving.md#throughput), and a cluster's counters
+are read in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncGenerator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
+
+from .backend import Backend
+from .config import ServerConfig
+from .errors import APIError, from_validation, install_handlers
+from .events import events
+from .generation import ClientGone, cancel, outputs, start, wait_for_disconnect
+from .metrics import CONTENT_TYPE, CountRequests, Metrics
+from .responses import Reply, usage
+from .schemas import ChatRequest, CompletionRequest
+from .translate import Job, chat_job, completion_job
+
+
+def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
+    """An OpenAI-compatible app over `backend`; the caller runs it (uvicorn) and closes the backend."""
+    app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)  # every route is below
+    metrics = Metrics()
+    install_handlers(app)
+    app.add_middleware(CountRequests, metrics=metrics)
+    auth = BearerKey(config.api_key)  # called first in every route but /health (cheaper than a dependency)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "policy_version": backend.policy_version()}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        auth.check(request)
+        card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "rollout"}
+        return {"object": "list", "data": [{**card, "max_model_len": backend.max_seq_len}]}
+
+    @app.get("/metrics")
+    async def metrics_text(request: Request) -> PlainTextResponse:
+        auth.check(request)
+        counters = await asyncio.to_thread(backend.counters)
+        return PlainTextResponse(metrics.render(backend.policy_version(), counters), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        auth.check(request)
+        body = await parse(request, CompletionRequest, config.max_body_bytes)
+        return await answer(request, completion_job(body, config, backend))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        auth.check(request)
+        body = await parse(request, ChatRequest, config.max_body_bytes)
+        return await answer(request, chat_job(body, config, backend))
+
+    async def answer(request: Request, job: Job) -> Response:
+        streams = start(job, backend)
+        reply = Reply(job, config.model_name, backend.codec, backend.policy_version())
+        metrics.running += 1
+        if job.stream:
+
+            def closed() -> None:
+                cancel(streams)
+                metrics.running -= 1
+
+            return EventStream(events(reply, streams, metrics), closed)
+        try:
+            done = await outputs(streams, lambda: wait_for_disconnect(request.receive))
+        except ClientGone:
+            raise APIError(499, "the client closed the request", code="client_closed_request") from None
+        finally:
+            metrics.running -= 1
+        counts = usage(done)
+        metrics.prompt_tokens += counts["prompt_tokens"]
+        metrics.completion_tokens += counts["completion_tokens"]
+        return JSONResponse(reply.body(done))
+
+    return app
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; `closed()` runs however the response ends, even
+    when the client left before its first chunk (the chunks never started)."""
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], closed: Callable[[], None]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(chunks, media_type="text/event-stream", headers=headers)
+        self._chunks, self._closed = chunks, closed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._closed()
+            await self._chunks.aclose()
+
+
+class BearerKey:
+    """`Authorization: Bearer <key>`, compared in constant time; no key, no check."""
+
+    def __init__(self, key: str | None) -> None:
+        self.key = key.encode() if key is not None else None
+
+    def check(self, request: Request) -> None:
+        if self.key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+            raise APIError(
+                401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+
+
+async def parse(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    """The JSON body as `model`, read up to `limit` bytes (a 413 past it); a 400 naming what is wrong."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body is {length} bytes; this server takes at most {limit}", code="too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes", code="too_large")
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as e:
+        raise from_validation(e) from None

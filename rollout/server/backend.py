@@ -1,0 +1,95 @@
+"""What the server generates with: one in-process `Engine` or a `RolloutCluster`.
+
+Both give `stream(prompt, params)`, a `TokenStream` made inside the server's
+event loop (deltas, then the finished `RolloutOutput`; `cancel()` frees the
+KV). Everything else the server asks of them is here, so routes never touch
+an engine or a cluster directly. Calls that may block (a cluster's health
+is a Ray round trip) are plain methods the app runs in a thread."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from ..engine.streams import TokenStream
+from ..sampling_params import SamplingParams
+from ..tokenizer import TextCodec
+
+if TYPE_CHECKING:
+    from ..cluster.cluster import RolloutCluster
+    from ..engine.engine import Engine
+
+# Counters `counters()` reports, each summed over actors on a cluster.
+COUNTERS = ("kv_pages_used", "kv_pages_total", "computed_tokens", "prefix_hit_tokens")
+
+
+class Backend(Protocol):
+    """The generation side of a server."""
+
+    codec: TextCodec | None  # the checkpoint's tokenizer and chat template; None: token ids only
+    max_seq_len: int  # prompt plus output tokens of one sequence
+    max_batch_size: int  # sequences one engine steps at once
+
+    def stream(self, prompt, params: SamplingParams) -> TokenStream:
+        """Start one prompt (text, token ids or chat messages); raises `ValueError`/`TypeError` on bad input."""
+        ...
+
+    def policy_version(self) -> int: ...
+
+    def counters(self) -> dict[str, int]:
+        """`COUNTERS` that the backend reports (may block: run it in a thread)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class EngineBackend:
+    """One in-process `Engine`; `close()` closes it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.codec = engine.tokenizer
+        self.max_seq_len = engine.config.max_seq_len
+        self.max_batch_size = engine.config.max_batch_size
+
+    def stream(self, prompt, params: SamplingParams) -> TokenStream:
+        return self.engine.stream(prompt, params)
+
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def counters(self) -> dict[str, int]:
+        stats = self.engine.stats()
+        return {k: int(stats[k]) for k in COUNTERS}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class ClusterBackend:
+    """A `RolloutCluster`; each stream goes to its least loaded live actor.
+    `close()` shuts the cluster down only when the server started it."""
+
+    def __init__(self, cluster: RolloutCluster, owned: bool = False) -> None:
+        self.cluster = cluster
+        self.owned = owned
+        self.codec = cluster.tokenizer
+        limits = cluster.limits
+        self.max_seq_len = limits.max_seq_len
+        self.max_batch_size = limits.max_batch_size
+
+    def stream(self, prompt, params: SamplingParams) -> TokenStream:
+        return self.cluster.stream(prompt, params)
+
+    def policy_version(self) -> int:
+        return self.cluster.policy_version()
+
+    def counters(self) -> dict[str, int]:
+        totals = dict.fromkeys(COUNTERS, 0)
+        for actor in self.cluster.health():
+            for k in COUNTERS:
+                totals[k] += int(actor.get(k, 0))
+        return totals
+
+    def close(self) -> None:
+        if self.owned:
+            self.cluster.shutdown()

@@ -1,0 +1,36 @@
+"""`ServerConfig`: what the HTTP server allows and who may call it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..checks import check_int
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Limits and identity of one server; bad values raise naming the field.
+
+    `max_n` and `max_tokens` bound a request before it reaches the engine
+    (which caps `max_tokens` by the context and refuses what cannot fit in its
+    KV); `serve` defaults them to the engine's `max_batch_size` and
+    `max_seq_len`."""
+
+    model_name: str  # the one name `/v1/models` lists and requests must use (or omit)
+    max_n: int  # samples per prompt
+    max_tokens: int  # tokens per sample a request may ask for
+    api_key: str | None = None  # None: no key asked for
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
+    max_prompts: int = 64  # prompts in one /v1/completions request
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        check_int("max_n", self.max_n, 1)
+        check_int("max_tokens", self.max_tokens, 1)
+        check_int("max_body_bytes", self.max_body_bytes, 1024)
+        check_int("max_prompts", self.max_prompts, 1)
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string or None")

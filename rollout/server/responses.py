@@ -1,0 +1,142 @@
+"""Response bodies and stream chunks of both endpoints, as plain dicts.
+
+`/v1/completions` and `/v1/chat/completions` differ only in names and in
+where a choice's text goes (`text`, or `message`/`delta` with `content`), so
+one `Shape` per endpoint answers those differences and the rest is shared.
+
+Extensions on every choice: `policy_versions` (the policy version of each
+token); with `return_token_ids`, `token_ids` (and for completions
+`prompt_token_ids`; for chat the top-level `prompt_token_ids`). Top level:
+`policy_version`, the newest version among the response's tokens."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..outputs import RolloutOutput
+from ..tokenizer import TextCodec
+from .translate import Job
+
+
+@dataclass(slots=True)
+class Reply:
+    """What every body and chunk of one response shares."""
+
+    job: Job
+    model: str
+    codec: TextCodec | None
+    version: int  # the newest policy version seen (the backend's when no token came yet)
+    chat: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per choice
+
+    def __post_init__(self) -> None:
+        self.chat = self.job.chat
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+
+    # -- whole responses ---------------------------------------------------------------
+    def body(self, outputs: list[RolloutOutput]) -> dict:
+        n = self.job.params.n
+        choices = []
+        for p, out in enumerate(outputs):
+            for k, s in enumerate(out.samples):
+                self.version = max([self.version, *s.versions])
+                c = self._choice(p * n + k, s.text or "", s.token_ids, s.logprobs, s.versions, "message")
+                c["finish_reason"] = s.finish_reason
+                if self.job.return_token_ids and not self.chat:
+                    c["prompt_token_ids"] = out.prompt_token_ids
+                choices.append(c)
+        body = self._head("chat.completion" if self.chat else "text_completion", choices)
+        body["usage"] = usage(outputs)
+        if self.job.return_token_ids and self.chat:
+            body["prompt_token_ids"] = outputs[0].prompt_token_ids
+        return body
+
+    # -- stream chunks -----------------------------------------------------------------
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        token_ids: Sequence[int] = (),
+        logprobs: Sequence[float] = (),
+        versions: Sequence[int] = (),
+        first: bool = False,
+    ) -> dict:
+        """A chunk of choice `index`: its new text and the tokens since its last chunk."""
+        if versions:
+            self.version = max(self.version, max(versions))
+        choice = self._choice(index, text, token_ids, logprobs, versions, "role" if first else "delta")
+        return self._head("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def last_chunk(self, index: int, text: str, finish_reason: str, out: RolloutOutput) -> dict:
+        """A choice's last chunk: the rest of its text and why it ended."""
+        chunk = self.chunk(index, text)
+        chunk["choices"][0]["finish_reason"] = finish_reason
+        if self.job.return_token_ids:
+            (chunk["choices"][0] if not self.chat else chunk)["prompt_token_ids"] = out.prompt_token_ids
+        return chunk
+
+    def usage_chunk(self, outputs: list[RolloutOutput]) -> dict:
+        chunk = self._head("chat.completion.chunk" if self.chat else "text_completion", [])
+        chunk["usage"] = usage(outputs)
+        return chunk
+
+    # -- parts -------------------------------------------------------------------------
+    def _head(self, kind: str, choices: list[dict]) -> dict:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "policy_version": self.version,
+        }
+
+    def _choice(self, index, text, token_ids, logprobs, versions, part: str) -> dict:
+        """`part`: "message" (a whole chat response), "role" (a chat stream's first chunk) or "delta"."""
+        choice: dict = {"index": index}
+        if self.chat and part == "delta":
+            choice["delta"] = {"content": text}
+        elif self.chat:
+            choice["delta" if part == "role" else "message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(index, token_ids, logprobs) if self.job.logprobs else None
+        choice["finish_reason"] = None
+        choice["policy_versions"] = list(versions)
+        if self.job.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
+
+    def _logprobs(self, index: int, token_ids: Sequence[int], logprobs: Sequence[float]) -> dict:
+        tokens = token_strings(self.codec, token_ids)
+        if self.chat:
+            content = [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(tokens, logprobs, strict=True)
+            ]
+            return {"content": content, "refusal": None}
+        offset = self.offsets.get(index, 0)
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        self.offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
+def usage(outputs: list[RolloutOutput]) -> dict:
+    prompt = sum(len(out.prompt_token_ids) for out in outputs)
+    completion = sum(len(s.token_ids) for out in outputs for s in out.samples)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def token_strings(codec: TextCodec | None, token_ids: Sequence[int]) -> list[str]:
+    """Each token's own text (special tokens decode to ""); `token_id:N` without a tokenizer."""
+    if codec is None:
+        return [f"token_id:{t}" for t in token_ids]
+    return [codec.decode([t]) for t in token_ids]

@@ -1,0 +1,90 @@
+"""Running the server: `rollout serve` (uvicorn in the foreground) and
+`start_server` (uvicorn on a thread of the caller's process, for a trainer
+that pushes weights to the cluster the server answers from)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from .app import create_app
+from .backend import Backend, ClusterBackend, EngineBackend
+from .config import ServerConfig
+
+API_KEY_ENV = "ROLLOUT_API_KEY"
+
+
+def build_backend(args: argparse.Namespace) -> Backend:
+    """An `Engine`, or with `args.actors` a cluster (`rollout.init`: Ray is imported only then)."""
+    sizes = {
+        "dtype": args.dtype,
+        "max_batch_size": args.max_batch_size,
+        "max_seq_len": args.max_seq_len,
+        "kv_cache_tokens": args.kv_cache_tokens,
+    }
+    if args.device is not None:
+        sizes["device"] = args.device
+    if args.actors:
+        from ..cluster.api import init
+
+        return ClusterBackend(init(args.model, num_actors=args.actors, **sizes), owned=True)
+    from ..engine.engine import Engine
+
+    return EngineBackend(Engine(args.model, **sizes))
+
+
+def server_config(args: argparse.Namespace, backend: Backend) -> ServerConfig:
+    return ServerConfig(
+        model_name=args.served_model_name or Path(args.model).resolve().name,
+        max_n=args.max_n or backend.max_batch_size,
+        max_tokens=args.max_tokens_limit or backend.max_seq_len,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """`rollout serve`: build the backend, serve until interrupted, close the backend."""
+    backend = build_backend(args)
+    try:
+        app = create_app(backend, server_config(args, backend))
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
+    finally:
+        backend.close()
+    return 0
+
+
+class ServerThread:
+    """A server running on a thread of this process; `stop()` ends it (the backend stays open)."""
+
+    def __init__(self, server: uvicorn.Server, thread: threading.Thread) -> None:
+        self._server, self._thread = server, thread
+        port = server.servers[0].sockets[0].getsockname()[1]  # the one bound when asked for port 0
+        self.url = f"http://{server.config.host}:{port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+
+def start_server(
+    backend: Backend, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, timeout: float = 30.0
+) -> ServerThread:
+    """Serve `backend` on a background thread; returns once it accepts connections
+    (or raises `RuntimeError` if it could not start within `timeout` seconds).
+    `port=0` picks a free port (`ServerThread.url` says which)."""
+    server = uvicorn.Server(uvicorn.Config(create_app(backend, config), host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="rollout-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.01)
+    return ServerThread(server, thread)

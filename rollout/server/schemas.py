@@ -1,0 +1,146 @@
+"""Request bodies of `/v1/completions` and `/v1/chat/completions` (pydantic v2).
+
+Strict: a JSON string is never a number, a float never an int, a bool never
+either. Fields this server does not implement are refused with a 400 naming
+them (`extra="forbid"`), since silently ignoring one would change what the
+client gets; the few ignored ones (`user`, `metadata`, `store`,
+`service_tier`, `parallel_tool_calls`) change nothing a client could see
+from a single model. OpenAI fields whose only supported value is their
+default (penalties, `logit_bias`, `echo`, ...) are accepted at that value
+and refused otherwise (`unsupported`). Responses are plain dicts built in
+`responses.py`: a chunk is serialised per token, and a dict is the cheapest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False  # a last chunk with `usage` and no choices
+
+
+class CommonRequest(BaseModel):
+    """Fields both endpoints take."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None  # None: the served model
+    n: int = 1
+    temperature: float | None = None  # default 1.0
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    # Extensions (vLLM's names).
+    top_k: int | None = None  # 0 or None: off
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False  # prompt and completion token ids in the response
+    # OpenAI fields accepted only at their no-op values.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # OpenAI fields ignored: nothing a client sees depends on them here.
+    user: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) of the first field set to a value this server cannot honour."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0):
+                return name, f"{name} is not supported (only 0)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed with stream=true"
+        return None
+
+
+class CompletionRequest(CommonRequest):
+    """`POST /v1/completions`."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # 0: the sampled tokens' logprobs; more is refused
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.best_of not in (None, self.n):
+            return "best_of", "best_of is not supported (only equal to n)"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.logprobs is not None and self.logprobs != 0:
+            return "logprobs", (
+                "logprobs must be 0 or null: the engine records only the sampled token's logprob, "
+                "so there are no top alternatives to return (logprobs=0 returns the sampled tokens' logprobs)"
+            )
+        return super().unsupported()
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One message; fields besides these (`name`, `tool_calls`, `tool_call_id`,
+    `reasoning_content`, ...) go to the chat template as they are."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        """The message as the template reads it: text parts joined with newlines."""
+        message = self.model_dump(exclude_none=True, exclude={"content"})
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"messages[{index}].content: only text parts are supported, got {part.type!r}")
+            message["content"] = "\n".join(part.text for part in self.content)
+        elif self.content is not None:
+            message["content"] = self.content
+        return message
+
+
+class ChatRequest(CommonRequest):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None  # passed to the chat template
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # Ignored: nothing a client sees depends on them here.
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.top_logprobs:
+            return "top_logprobs", (
+                "top_logprobs must be 0 or null: the engine records only the sampled token's logprob; "
+                "logprobs=true returns it for every token"
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs=true"
+        if self.tool_choice not in (None, "auto"):
+            return "tool_choice", "tool_choice must be 'auto' or null: the model decides, nothing is forced"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format", "response_format must be {'type': 'text'} or null (no constrained decoding)"
+        return super().unsupported()

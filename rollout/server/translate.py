@@ -1,0 +1,123 @@
+"""A parsed request body -> a `Job`: the prompts and `SamplingParams` to start
+on the backend and how to answer. Everything a client can get wrong is
+refused here or by the engine's own checks (a `ValueError`/`TypeError`),
+before anything starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine.requests import render_chat
+from ..sampling_params import SamplingParams
+from .backend import Backend
+from .config import ServerConfig
+from .errors import APIError, from_engine
+from .schemas import ChatRequest, CommonRequest, CompletionRequest
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A validated request."""
+
+    chat: bool  # /v1/chat/completions (else /v1/completions)
+    prompts: list  # one per prompt: text, token ids, or chat messages
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # streaming: a last chunk with usage
+    logprobs: bool  # the sampled tokens' logprobs in the response
+    return_token_ids: bool  # prompt and completion token ids in the response
+    prompt_field: str  # "prompt" or "messages": where prompt errors point
+
+
+def completion_job(req: CompletionRequest, config: ServerConfig, backend: Backend) -> Job:
+    _check_common(req, config)
+    prompts = _prompt_list(req.prompt, config.max_prompts)
+    max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    params = _sampling_params(req, min(max_tokens, config.max_tokens), "prompt")
+    return _job(req, False, prompts, params, req.logprobs is not None, "prompt")
+
+
+def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
+    _check_common(req, config)
+    if req.max_completion_tokens is not None:
+        _check_max_tokens(req.max_completion_tokens, config, "max_completion_tokens")
+    messages = []
+    for i, m in enumerate(req.messages):
+        try:
+            messages.append(m.for_template(i))
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = _sampling_params(req, config.max_tokens if asked is None else asked, "messages")
+    prompt = messages
+    if req.tools is not None:  # the engine renders plain messages itself; with tools, render them here
+        try:
+            text = render_chat("messages", messages, backend.codec, req.tools)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), "messages") from None
+        prompt = backend.codec.encode(text, add_special_tokens=False)  # the rendering holds them
+    return _job(req, True, [prompt], params, req.logprobs, "messages")
+
+
+def _job(req: CommonRequest, chat: bool, prompts: list, params: SamplingParams, logprobs: bool, field: str) -> Job:
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    return Job(chat, prompts, params, req.stream, include_usage, logprobs, req.return_token_ids, field)
+
+
+def _check_common(req: CommonRequest, config: ServerConfig) -> None:
+    if req.model is not None and req.model != config.model_name:
+        raise APIError(
+            404,
+            f"model {req.model!r} does not exist; this server serves {config.model_name!r}",
+            "model",
+            "model_not_found",
+        )
+    refused = req.unsupported()
+    if refused is not None:
+        raise APIError(400, refused[1], refused[0])
+    if req.n > config.max_n:
+        raise APIError(400, f"n must be <= {config.max_n} on this server, got {req.n}", "n")
+    if req.max_tokens is not None:
+        _check_max_tokens(req.max_tokens, config, "max_tokens")
+
+
+def _check_max_tokens(value: int, config: ServerConfig, name: str) -> None:
+    if value > config.max_tokens:
+        raise APIError(400, f"{name} must be <= {config.max_tokens} on this server, got {value}", name)
+
+
+def _sampling_params(req: CommonRequest, max_tokens: int, prompt_field: str) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=req.top_k or 0,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            min_p=req.min_p or 0.0,
+            max_tokens=max_tokens,
+            stop_token_ids=req.stop_token_ids,
+            stop=req.stop or None,
+            ignore_eos=req.ignore_eos,
+            seed=req.seed,
+        )
+    except (ValueError, TypeError) as e:
+        raise from_engine(e, prompt_field) from None
+
+
+def _prompt_list(prompt, max_prompts: int) -> list:
+    """One entry per prompt: a string or a list of token ids."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if len(prompts) > max_prompts:
+        raise APIError(
+            400, f"prompt may hold at most {max_prompts} prompts on this server, got {len(prompts)}", "prompt"
+        )
+    return prompts
