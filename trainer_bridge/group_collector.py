@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from rollout import Engine, RolloutOutput, SamplingParams
+from rollout.cluster.handles import next_from_queue
 
 POLL_S = 0.02  # how long to wait on one source before looking at the others
 
@@ -46,13 +47,9 @@ class EngineRun:
 
     def next_output(self, timeout: float | None) -> RolloutOutput | None:
         """The next finished prompt's output, or None when none finished within `timeout` s."""
-        try:
-            item = self._queue.get(timeout=timeout) if timeout != 0 else self._queue.get_nowait()
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        self.remaining -= 1
+        item = next_from_queue(self._queue, timeout)
+        if item is not None:
+            self.remaining -= 1
         return item
 
     def result(self, timeout: float | None = None) -> list[RolloutOutput]:

@@ -10,6 +10,18 @@ from collections.abc import Callable, Iterator
 from ..outputs import RolloutOutput
 
 
+def next_from_queue(items: queue.Queue, timeout: float | None) -> RolloutOutput | None:
+    """The next output put in `items`, None when none came within `timeout` s
+    (0: do not wait); an exception put there is raised."""
+    try:
+        item = items.get(timeout=timeout) if timeout != 0 else items.get_nowait()
+    except queue.Empty:
+        return None
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
 class GenerationHandle:
     """The pending results of one `submit` call.
 
@@ -94,13 +106,9 @@ class GenerationHandle:
         """The next prompt to finish, or None when none did within `timeout` s
         (0: do not wait); raises the generation's error. Shares its order with
         `as_completed`: use one or the other."""
-        try:
-            item = self._queue.get(timeout=timeout) if timeout != 0 else self._queue.get_nowait()
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        self._taken += 1
+        item = next_from_queue(self._queue, timeout)
+        if item is not None:
+            self._taken += 1
         return item
 
     def done(self) -> bool:
@@ -157,24 +165,6 @@ class PushHandle:
             self._error = e
         finally:
             self._done.set()
-
-    @property
-    def remaining(self) -> int:
-        """Outputs `next_output` has not handed out yet."""
-        return len(self._results) - self._taken
-
-    def next_output(self, timeout: float | None) -> RolloutOutput | None:
-        """The next prompt to finish, or None when none did within `timeout` s
-        (0: do not wait); raises the generation's error. Shares its order with
-        `as_completed`: use one or the other."""
-        try:
-            item = self._queue.get(timeout=timeout) if timeout != 0 else self._queue.get_nowait()
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        self._taken += 1
-        return item
 
     def done(self) -> bool:
         """Whether the push has committed or failed."""
