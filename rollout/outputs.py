@@ -17,6 +17,9 @@ class Sample:
     versions: list[int]  # policy version whose weights produced each token
     finish_reason: str  # FINISH_REASONS: "stop" (stop token or string), "length" (max_tokens or context), "abort"
     text: str | None = None  # decoded response when a tokenizer is present (stop string cut off)
+    # With params.top_logprobs = k: per token, the k most likely (token id, logprob) pairs of the
+    # distribution `logprobs` is reported in, best first; None when not asked for.
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ from .checks import as_token_ids, check_int, check_number
 
 LOGPROBS_MODES = ("processed", "raw", "scaled")
 MAX_SEED = 2**63 - 1
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API and vLLM's default bound
 # Below this, logits / temperature can overflow float32 (a subnormal temperature makes every
 # logprob NaN); a caller after near-greedy sampling wants temperature 0.
 MIN_TEMPERATURE = 1e-6
@@ -36,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None  # per-request seed: same tokens whatever else is batched
     logprobs_mode: str = "processed"  # "processed" | "raw" | "scaled" (see `LOGPROBS_MODES`)
+    top_logprobs: int = 0  # per token, this many most likely alternatives and their logprobs; 0 = off
 
     def __post_init__(self) -> None:
         self.n = check_int("n", self.n, 1)
@@ -62,6 +64,9 @@ class SamplingParams:
                 raise ValueError(f"seed must be in [0, {MAX_SEED}] or None, got {self.seed}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        self.top_logprobs = check_int("top_logprobs", self.top_logprobs, 0, f"and <= {MAX_TOP_LOGPROBS} (0 = off)")
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
     @property
     def is_greedy(self) -> bool:

@@ -142,7 +142,8 @@ class GenerationDispatch:
             lost = handle._missing(sorted(remaining))  # an output already delivered is never generated again
             if handle.aborted:  # nothing is regenerated after an abort: the lost samples end empty
                 for i in lost:
-                    empty = [Sample([], [], [], "abort") for _ in range(params.n)]
+                    top = [] if params.top_logprobs else None
+                    empty = [Sample([], [], [], "abort", top_logprobs=top) for _ in range(params.n)]
                     handle._deliver(RolloutOutput(list(prompts[i]), empty, index=i))
             elif lost:
                 try:

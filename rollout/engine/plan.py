@@ -35,6 +35,10 @@ class StepPlan:
         return [s for c in self.chunks for s in c.samplers]
 
 
+# Per sampler row: its (token id, logprob) alternatives, best first, or None where the row asked for none.
+TopLogprobs = list[tuple[tuple[int, float], ...] | None]
+
+
 @dataclass(slots=True)
 class StepResult:
     """What the stepper returns: one entry per sampler row of the plan, in order."""
@@ -42,6 +46,7 @@ class StepResult:
     tokens: list[int]
     logprobs: list[float]
     version: int  # policy version whose weights produced the tokens
+    top: TopLogprobs | None = None  # None: no row asked for top logprobs
 
 
 @dataclass(slots=True)

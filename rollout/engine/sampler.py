@@ -112,6 +112,15 @@ class SamplingBatch:
             ),
         )
 
+    def rows(self, index: torch.Tensor) -> SamplingBatch:
+        """The batch of rows `index` (a device index tensor); the flags stay the
+        whole batch's, which are true of any subset where they matter."""
+        fields = {name: getattr(self, name).index_select(0, index) for name in _ROW_FIELDS}
+        return SamplingBatch(**fields, flags=self.flags)
+
+
+_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_index", "rng_pos", "mode")
+
 
 def sample(
     logits: torch.Tensor,
@@ -165,6 +174,22 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, p: SamplingBatch) ->
     alike, and off by the edge token's share of the mass where they do not."""
     scaled, final = _distributions(logits, p, tokens)
     return _logprobs(logits, scaled, final, tokens, p)
+
+
+def top_logprobs(logits: torch.Tensor, p: SamplingBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` most likely tokens of each row and their log-probabilities,
+    best first: `(ids [R, k], logprobs [R, k])` of the distribution each
+    row's logprobs are reported in (its mode; the raw one for greedy rows),
+    so the sampled token's logprob is its entry when it is among them.
+    Under "processed", tokens the filters dropped score -inf and rank last."""
+    scaled, final = _distributions(logits, p)
+    raw = torch.log_softmax(logits, dim=-1)
+    lp = torch.log_softmax(final, dim=-1) if p.flags.any_filter else torch.log_softmax(scaled, dim=-1)
+    if p.flags.any_filter:
+        lp = torch.where((p.mode == MODE_CODES["scaled"])[:, None], torch.log_softmax(scaled, dim=-1), lp)
+    lp = torch.where(((p.mode == MODE_CODES["raw"]) | (p.temperature == 0))[:, None], raw, lp)
+    values, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    return ids, values
 
 
 def _distributions(

@@ -148,8 +148,9 @@ class Scheduler:
                 if s is not seq:
                     self._fork(seq, s)
         finished = []
-        for s, token, logprob in zip(plan.samplers, result.tokens, result.logprobs, strict=True):
-            s.append(token, logprob, result.version)
+        top = result.top or [None] * len(result.tokens)
+        for s, token, logprob, alternatives in zip(plan.samplers, result.tokens, result.logprobs, top, strict=True):
+            s.append(token, logprob, result.version, alternatives)
             reason = self._finish_reason(s, token)
             if reason is not None:
                 finished.append((s, reason))

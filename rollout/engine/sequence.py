@@ -41,6 +41,7 @@ class Sequence:
     cacheable: bool = True  # False while its KV mixes policy versions ("keep" updates)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # when the params ask
     finish_reason: str | None = None
     stop_text_end: int | None = None  # text cut where a stop string began
     admitted_at: int = -1  # admission counter: larger = younger, preempted first
@@ -75,16 +76,21 @@ class Sequence:
         self.finish_reason = reason
         self.status = SeqStatus.FINISHED
 
-    def append(self, token: int, logprob: float, version: int) -> None:
+    def append(
+        self, token: int, logprob: float, version: int, top: tuple[tuple[int, float], ...] | None = None
+    ) -> None:
         self.token_ids.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
+        if top is not None:
+            self.top_logprobs.append(top)
 
     def reset_outputs(self) -> None:
         del self.token_ids[self.num_prompt_tokens :]
         self.kv_high_water = min(self.kv_high_water, self.num_prompt_tokens)
         self.logprobs.clear()
         self.versions.clear()
+        self.top_logprobs.clear()
         self.stop_text_end = None
 
 
@@ -122,7 +128,12 @@ class Request:
         thread's step may be finishing them, and the copy is then all of one state."""
         samples = tuple(
             SampleResult(
-                tuple(s.output_token_ids), tuple(s.logprobs), tuple(s.versions), s.finish_reason, s.stop_text_end
+                tuple(s.output_token_ids),
+                tuple(s.logprobs),
+                tuple(s.versions),
+                s.finish_reason,
+                s.stop_text_end,
+                tuple(s.top_logprobs) if self.params.top_logprobs else None,
             )
             for s in self.samples
         )
@@ -136,6 +147,7 @@ class SampleResult:
     versions: tuple[int, ...]
     finish_reason: str | None
     stop_text_end: int | None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None  # None: not asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,5 +167,6 @@ class RequestResult:
                 text = decode(list(s.token_ids))
                 if s.stop_text_end is not None:
                     text = text[: s.stop_text_end]
-            samples.append(Sample(list(s.token_ids), list(s.logprobs), list(s.versions), s.finish_reason, text))
+            top = None if s.top_logprobs is None else list(s.top_logprobs)
+            samples.append(Sample(list(s.token_ids), list(s.logprobs), list(s.versions), s.finish_reason, text, top))
         return RolloutOutput(list(self.prompt_token_ids), samples, self.prompt, index)

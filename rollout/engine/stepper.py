@@ -21,8 +21,8 @@ from workspace import DecodeCache, DecodeRows, InferenceWorkspace, KVPool, TaskS
 from ..model.attention import AttentionMetadata, PrefillSpan
 from ..model.decoder import Model
 from .decode_graphs import DecodeGraphs, GraphKey
-from .plan import ScheduledChunk, StepPlan, StepResult
-from .sampler import MODE_CODES, SamplerFlags, SamplingBatch, sample
+from .plan import ScheduledChunk, StepPlan, StepResult, TopLogprobs
+from .sampler import MODE_CODES, SamplerFlags, SamplingBatch, sample, top_logprobs
 from .sequence import Sequence
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_index", "rng_pos", "mode")
@@ -38,6 +38,7 @@ class PreparedStep:
     flags: SamplerFlags  # the sampler's branches for these rows
     signature: TaskSignature | None  # a pure decode's signature; None for a step with prefill chunks
     graph: GraphKey | None  # the decode graph that serves the step; None: the eager forward
+    top: list[int] | None  # per row, how many top logprobs it asks for; None: no row asks
 
 
 class Stepper:
@@ -76,8 +77,8 @@ class Stepper:
     def step(self, plan: StepPlan) -> StepResult:
         """One step of `plan`: a token and its logprob per sampler row, in plan order."""
         prepared = self._prepare(plan)
-        self._run(plan, prepared)
-        return self._finish(plan, prepared)
+        top = self._run(plan, prepared)
+        return self._finish(plan, prepared, top)
 
     def _prepare(self, plan: StepPlan) -> PreparedStep:
         """Copy-on-write page copies, then the step's inputs into the workspace
@@ -96,25 +97,29 @@ class Stepper:
             num_logits = self._upload_general(plan.chunks)
             self._flags = SamplerFlags.of(s.request.params for s in samplers)
         meta = self._attention_metadata(plan.chunks)
+        top = [s.request.params.top_logprobs for s in samplers]
+        top = top if any(top) else None
         graph = None
-        if self.graphs is not None and signature is not None:
+        if self.graphs is not None and signature is not None and top is None:  # a graph keeps no logits
             graph = self.graphs.key(num_rows, meta.decode_block_tables.shape[1], self._flags)
-        return PreparedStep(meta, num_rows, num_logits, self._flags, signature, graph)
+        return PreparedStep(meta, num_rows, num_logits, self._flags, signature, graph, top)
 
-    def _run(self, plan: StepPlan, prepared: PreparedStep) -> None:
-        """The model and sampler: tokens and logprobs land in the workspace's out buffers."""
+    def _run(self, plan: StepPlan, prepared: PreparedStep) -> TopLogprobs | None:
+        """The model and sampler: tokens and logprobs land in the workspace's out buffers;
+        the top logprobs of the rows that ask for them are returned."""
         if prepared.graph is not None:
             self.graphs.run(prepared.num_rows, prepared.graph)
-            return
+            return None
         if self.graphs is not None:
             self.graphs.invalidate()  # this step's uploads may have overwritten the padding rows
-        self._forward(plan.num_tokens, prepared.meta, prepared.num_logits, prepared.num_rows, prepared.flags)
+        p = prepared
+        return self._forward(plan.num_tokens, p.meta, p.num_logits, p.num_rows, p.flags, p.top)
 
-    def _finish(self, plan: StepPlan, prepared: PreparedStep) -> StepResult:
+    def _finish(self, plan: StepPlan, prepared: PreparedStep, top: TopLogprobs | None) -> StepResult:
         """Read the sampled rows back; a pure decode's signature lets the next step reuse its inputs."""
         n = prepared.num_rows
         result = StepResult(
-            self.ws.view("out_tokens", n).tolist(), self.ws.view("out_logprobs", n).tolist(), plan.version
+            self.ws.view("out_tokens", n).tolist(), self.ws.view("out_logprobs", n).tolist(), plan.version, top
         )
         if prepared.signature is not None:
             self.cache.remember(prepared.signature)
@@ -135,9 +140,16 @@ class Stepper:
             self.kv.copy_pages(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
 
     def _forward(
-        self, num_tokens: int, meta: AttentionMetadata, num_logits: int, num_rows: int, flags: SamplerFlags
-    ) -> None:
-        """Model and sampler over the workspace's first rows; tokens and logprobs land in its out buffers."""
+        self,
+        num_tokens: int,
+        meta: AttentionMetadata,
+        num_logits: int,
+        num_rows: int,
+        flags: SamplerFlags,
+        top: list[int] | None = None,
+    ) -> TopLogprobs | None:
+        """Model and sampler over the workspace's first rows; tokens and logprobs land in its
+        out buffers. With `top` (per row, how many), the rows that ask get their top logprobs."""
         ws = self.ws
         ids, positions = ws.view("input_ids", num_tokens), ws.view("positions", num_tokens)
         logits = self.model(ids, positions, meta, self.kv, ws.view("logit_rows", num_logits))
@@ -145,6 +157,15 @@ class Stepper:
             logits = logits.index_select(0, ws.view("sample_rows", num_rows))
         batch = self._sampling_batch(num_rows, flags)
         sample(logits, batch, ws.view("out_tokens", num_rows), ws.view("out_logprobs", num_rows), self.sample_kernel)
+        if top is None:
+            return None
+        rows = [r for r, k in enumerate(top) if k]
+        index = torch.tensor(rows, device=logits.device)
+        ids, values = top_logprobs(logits.index_select(0, index), batch.rows(index), max(top))
+        out: TopLogprobs = [None] * num_rows
+        for r, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
+            out[r] = tuple(zip(row_ids[: top[r]], row_values[: top[r]], strict=True))
+        return out
 
     def _padded_decode(self, key: GraphKey) -> None:
         """One decode step over the first `key.rows` workspace rows, as captured in a graph."""

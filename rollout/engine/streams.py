@@ -36,6 +36,7 @@ class SampleDelta:
     versions: tuple[int, ...]
     finish_reason: str | None  # set on the sample's last delta
     restarted: bool = False  # a `restart` commit dropped the sample's earlier tokens: these start over
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token, when the params ask
 
 
 class StreamCursor:
@@ -64,6 +65,7 @@ class StreamCursor:
                         tuple(s.versions[start:]),
                         s.finish_reason,
                         restarted,
+                        tuple(s.top_logprobs[start:]),
                     )
                 )
                 self.sent[k], self.ended[k] = total, s.is_finished

@@ -25,6 +25,7 @@ _ENGINE_FIELDS = {
     "stop": "stop",
     "seed": "seed",
     "tools": "tools",
+    "logprobs_mode": "logprobs_mode",
 }
 
 

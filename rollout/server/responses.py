@@ -45,7 +45,9 @@ class Reply:
         for p, out in enumerate(outputs):
             for k, s in enumerate(out.samples):
                 self.version = max([self.version, *s.versions])
-                c = self._choice(p * n + k, s.text or "", s.token_ids, s.logprobs, s.versions, "message")
+                c = self._choice(
+                    p * n + k, s.text or "", s.token_ids, s.logprobs, s.versions, "message", s.top_logprobs
+                )
                 c["finish_reason"] = s.finish_reason
                 if self.job.return_token_ids and not self.chat:
                     c["prompt_token_ids"] = out.prompt_token_ids
@@ -65,11 +67,12 @@ class Reply:
         logprobs: Sequence[float] = (),
         versions: Sequence[int] = (),
         first: bool = False,
+        top: Sequence[Sequence[tuple[int, float]]] = (),
     ) -> dict:
         """A chunk of choice `index`: its new text and the tokens since its last chunk."""
         if versions:
             self.version = max(self.version, max(versions))
-        choice = self._choice(index, text, token_ids, logprobs, versions, "role" if first else "delta")
+        choice = self._choice(index, text, token_ids, logprobs, versions, "role" if first else "delta", top)
         return self._head("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def last_chunk(self, index: int, text: str, finish_reason: str, out: RolloutOutput) -> dict:
@@ -96,7 +99,7 @@ class Reply:
             "policy_version": self.version,
         }
 
-    def _choice(self, index, text, token_ids, logprobs, versions, part: str) -> dict:
+    def _choice(self, index, text, token_ids, logprobs, versions, part: str, top=None) -> dict:
         """`part`: "message" (a whole chat response), "role" (a chat stream's first chunk) or "delta"."""
         choice: dict = {"index": index}
         if self.chat and part == "delta":
@@ -105,19 +108,25 @@ class Reply:
             choice["delta" if part == "role" else "message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = self._logprobs(index, token_ids, logprobs) if self.job.logprobs else None
+        choice["logprobs"] = self._logprobs(index, token_ids, logprobs, top) if self.job.logprobs else None
         choice["finish_reason"] = None
         choice["policy_versions"] = list(versions)
         if self.job.return_token_ids:
             choice["token_ids"] = list(token_ids)
         return choice
 
-    def _logprobs(self, index: int, token_ids: Sequence[int], logprobs: Sequence[float]) -> dict:
+    def _logprobs(self, index: int, token_ids: Sequence[int], logprobs: Sequence[float], top) -> dict:
+        """Chat: `content`, per token its logprob and `top_logprobs` (the request's
+        count, best first). Completions: `tokens`, `token_logprobs`, `text_offset`
+        and `top_logprobs`, per token a dict of the top alternatives plus the
+        sampled token, as vLLM and OpenAI's legacy API give it."""
         tokens = token_strings(self.codec, token_ids)
+        top = top or [()] * len(tokens)
+        alternatives = [[(s, _finite(lp)) for s, (_, lp) in zip(self._strings(t), t, strict=True)] for t in top]
         if self.chat:
             content = [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(tokens, logprobs, strict=True)
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": _entries(alts)}
+                for t, lp, alts in zip(tokens, logprobs, alternatives, strict=True)
             ]
             return {"content": content, "refusal": None}
         offset = self.offsets.get(index, 0)
@@ -126,7 +135,23 @@ class Reply:
             offsets.append(offset)
             offset += len(t)
         self.offsets[index] = offset
-        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+        tops = [{**dict(alts), t: lp} for t, lp, alts in zip(tokens, logprobs, alternatives, strict=True)]
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": tops, "text_offset": offsets}
+
+    def _strings(self, alternatives: Sequence[tuple[int, float]]) -> list[str]:
+        return token_strings(self.codec, [t for t, _ in alternatives])
+
+
+# JSON has no infinities: a token the filters dropped scores this, as vLLM reports it.
+MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def _entries(alternatives: list[tuple[str, float]]) -> list[dict]:
+    return [{"token": s, "logprob": lp, "bytes": list(s.encode())} for s, lp in alternatives]
 
 
 def usage(outputs: list[RolloutOutput]) -> dict:

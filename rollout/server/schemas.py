@@ -16,6 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..sampling_params import MAX_TOP_LOGPROBS
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -43,6 +45,7 @@ class CommonRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False  # prompt and completion token ids in the response
+    logprobs_mode: str | None = None  # the engine's: "processed" (default), "raw" or "scaled"
     # OpenAI fields accepted only at their no-op values.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -66,7 +69,7 @@ class CompletionRequest(CommonRequest):
     """`POST /v1/completions`."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None  # 0: the sampled tokens' logprobs; more is refused
+    logprobs: int | None = None  # the sampled tokens' logprobs and this many top alternatives
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -78,11 +81,8 @@ class CompletionRequest(CommonRequest):
             return "best_of", "best_of is not supported (only equal to n)"
         if self.suffix:
             return "suffix", "suffix is not supported"
-        if self.logprobs is not None and self.logprobs != 0:
-            return "logprobs", (
-                "logprobs must be 0 or null: the engine records only the sampled token's logprob, "
-                "so there are no top alternatives to return (logprobs=0 returns the sampled tokens' logprobs)"
-            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            return "logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {self.logprobs}"
         return super().unsupported()
 
 
@@ -132,11 +132,8 @@ class ChatRequest(CommonRequest):
     service_tier: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.top_logprobs:
-            return "top_logprobs", (
-                "top_logprobs must be 0 or null: the engine records only the sampled token's logprob; "
-                "logprobs=true returns it for every token"
-            )
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            return "top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {self.top_logprobs}"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         if self.tool_choice not in (None, "auto"):

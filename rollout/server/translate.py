@@ -26,7 +26,7 @@ class Job:
     params: SamplingParams
     stream: bool
     include_usage: bool  # streaming: a last chunk with usage
-    logprobs: bool  # the sampled tokens' logprobs in the response
+    logprobs: bool  # the sampled tokens' logprobs (and params.top_logprobs alternatives) in the response
     return_token_ids: bool  # prompt and completion token ids in the response
     prompt_field: str  # "prompt" or "messages": where prompt errors point
 
@@ -35,7 +35,7 @@ def completion_job(req: CompletionRequest, config: ServerConfig, backend: Backen
     _check_common(req, config)
     prompts = _prompt_list(req.prompt, config.max_prompts)
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params = _sampling_params(req, min(max_tokens, config.max_tokens), "prompt")
+    params = _sampling_params(req, min(max_tokens, config.max_tokens), "prompt", req.logprobs or 0)
     return _job(req, False, prompts, params, req.logprobs is not None, "prompt")
 
 
@@ -50,7 +50,8 @@ def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _sampling_params(req, config.max_tokens if asked is None else asked, "messages")
+    top = req.top_logprobs or 0
+    params = _sampling_params(req, config.max_tokens if asked is None else asked, "messages", top)
     prompt = messages
     if req.tools is not None:  # the engine renders plain messages itself; with tools, render them here
         try:
@@ -88,7 +89,7 @@ def _check_max_tokens(value: int, config: ServerConfig, name: str) -> None:
         raise APIError(400, f"{name} must be <= {config.max_tokens} on this server, got {value}", name)
 
 
-def _sampling_params(req: CommonRequest, max_tokens: int, prompt_field: str) -> SamplingParams:
+def _sampling_params(req: CommonRequest, max_tokens: int, prompt_field: str, top_logprobs: int) -> SamplingParams:
     try:
         return SamplingParams(
             n=req.n,
@@ -101,6 +102,8 @@ def _sampling_params(req: CommonRequest, max_tokens: int, prompt_field: str) -> 
             stop=req.stop or None,
             ignore_eos=req.ignore_eos,
             seed=req.seed,
+            logprobs_mode=req.logprobs_mode or "processed",
+            top_logprobs=top_logprobs,
         )
     except (ValueError, TypeError) as e:
         raise from_engine(e, prompt_field) from None

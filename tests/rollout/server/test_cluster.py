@@ -17,10 +17,12 @@ def test_a_weight_push_while_requests_run(tiny_path, tmp_path):
 
 
 async def _push_while_streaming(server) -> None:
-    body = {"prompt": "versions", "max_tokens": 8, "ignore_eos": True}
+    body = {"prompt": "versions", "max_tokens": 8, "ignore_eos": True, "logprobs": 2}
     async with server.async_http() as http:
         before = (await http.post("/v1/completions", json=body)).json()
         assert before["choices"][0]["policy_versions"] == [0] * 8 and before["policy_version"] == 0
+        tops = before["choices"][0]["logprobs"]["top_logprobs"]  # two alternatives plus the sampled token
+        assert len(tops) == 8 and all(2 <= len(t) <= 3 for t in tops)
         first_chunk = asyncio.Event()
         long = asyncio.ensure_future(_stream_versions(http, {**body, "max_tokens": 400, "n": 2}, first_chunk))
         await first_chunk.wait()
@@ -49,6 +51,7 @@ async def _stream_versions(http, body: dict, first_chunk: asyncio.Event) -> tupl
                 assert "error" not in chunk, chunk
                 (c,) = chunk["choices"]
                 versions.setdefault(c["index"], []).extend(c["policy_versions"])
+                assert c["logprobs"] is None or len(c["logprobs"]["top_logprobs"]) == len(c["logprobs"]["tokens"])
                 top = chunk["policy_version"]
                 first_chunk.set()
     return versions, top

@@ -145,3 +145,59 @@ def test_the_openai_client_streams_chat(tiny_server, tiny_engine):
     assert text == reference.samples[0].text
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+
+
+def _alternatives(codec, top) -> list[list[tuple[str, float]]]:
+    """The engine's top logprobs as the server names them: token text, -inf as -9999."""
+    return [[(codec.decode([t]), max(lp, -9999.0)) for t, lp in position] for position in top]
+
+
+def test_chat_top_logprobs_equal_the_engines(tiny_server, tiny_engine):
+    body = {"messages": MESSAGES, "max_tokens": 16, "temperature": 0.8, "top_k": 3, "seed": 4, "n": 2}
+    client = tiny_server.openai()
+    response = client.chat.completions.create(
+        model="tiny",
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"top_k": 3, "return_token_ids": True},
+        **{k: v for k, v in body.items() if k != "top_k"},
+    ).model_dump()
+    (reference,) = tiny_engine.generate([MESSAGES], _with_top(engine_params(body), 5))
+    assert_matches(response["choices"], [reference], chat=True)
+    codec = tiny_engine.tokenizer
+    for c, s in zip(response["choices"], reference.samples, strict=True):
+        got = [[(a["token"], a["logprob"]) for a in t["top_logprobs"]] for t in c["logprobs"]["content"]]
+        want = _alternatives(codec, s.top_logprobs)
+        assert [[t for t, _ in p] for p in got] == [[t for t, _ in p] for p in want]
+        assert [lp for p in got for _, lp in p] == pytest.approx([lp for p in want for _, lp in p], abs=1e-4)
+        assert all(p[3][1] == p[4][1] == -9999.0 for p in got)  # top_k=3 keeps three
+
+
+def _with_top(params: SamplingParams, k: int) -> SamplingParams:
+    params.top_logprobs = k
+    return params
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_top_logprobs_hold_the_alternatives_and_the_sampled_token(tiny_server, tiny_engine, stream):
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 9, "ignore_eos": True, "logprobs": 3}
+    with tiny_server.http() as http:
+        if stream:
+            chunks = _stream(http, "/v1/completions", {**body, "stream": True})
+            tops = [
+                t
+                for chunk in chunks
+                for t in chunk["choices"][0]["logprobs"]["top_logprobs"]
+                if chunk["choices"][0]["logprobs"] is not None
+            ]
+        else:
+            tops = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["top_logprobs"]
+    (reference,) = tiny_engine.generate([PROMPT], _with_top(engine_params(body), 3))
+    s = reference.samples[0]
+    codec = tiny_engine.tokenizer
+    assert len(tops) == len(s.token_ids) == 12
+    alternatives_per_token = _alternatives(codec, s.top_logprobs)
+    for got, token, lp, alternatives in zip(tops, s.token_ids, s.logprobs, alternatives_per_token, strict=True):
+        want = dict(alternatives) | {codec.decode([token]): lp}
+        assert got.keys() == want.keys()
+        assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)
