@@ -20,7 +20,13 @@ with default sizes and a first `generate` of 4 tokens, in fresh
 subprocesses with the kernels already built, and the resident memory right
 after, for `bench-25m` and for the `smollm2-135m` preset (random weights).
 
-    python -m scripts.bench [--out runs/bench.json] [--skip-hf] [--startup-only]
+With `--workload smollm2` (or `all`, the default) the real-model rows of
+`scripts/bench_real.py` follow: SmolLM2-135M's shapes on a GRPO batch, with
+their own floor, start-up and per-op profile; `--profile` adds the per-op
+profile of the bench-25m workload.
+
+    python -m scripts.bench [--workload all|bench-25m|smollm2] [--profile] [--out runs/bench.json]
+                            [--skip-hf] [--startup-only]
 
 Prints a table and writes JSON. Timings are never asserted in tests.
 """
@@ -40,6 +46,8 @@ import torch
 
 from rollout import Engine, SamplingParams
 from rollout.model.linear import onednn_linear
+from scripts import bench_real
+from scripts.host import describe
 from scripts.presets import preset
 
 BENCH_25M = preset("bench-25m")
@@ -210,6 +218,9 @@ def run(args) -> dict:
     results = {"threads": torch.get_num_threads(), "repeats": args.repeats, **summarize(runs, round_rates)}
     results["engine"].update(kernels=engine.config.kernels, gemm=engine.model.gemm)
     results.update(single_runs(engine, hf))
+    if args.profile:
+        params = SamplingParams(n=N, max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=STOP_IDS, ignore_eos=True)
+        results["profile"] = bench_real.profile(engine, workload_prompts(PROMPTS, PROMPT_LEN), params, BENCH_25M)
     return results
 
 
@@ -239,7 +250,7 @@ def timed_rounds(sides: dict, repeats: int) -> tuple[dict[str, list[tuple[int, f
     for _ in range(repeats):
         for name, timed in sides.items():
             runs[name].append(timed())
-        round_rates.append(best_gemm_rate())
+        round_rates.append({**best_gemm_rate(), "shapes": bench_real.gemm_floor(BENCH_25M, PROMPTS * N)})
     return runs, round_rates
 
 
@@ -247,12 +258,14 @@ def summarize(runs: dict[str, list[tuple[int, float]]], round_rates: list[dict[s
     """Medians and per-round figures of each side, each round against its own floor."""
     tokens = statistics.mean(t for t, _ in runs["engine"])
     flops = flops_per_token(int(PROMPT_LEN + tokens / (PROMPTS * N) / 2))
-    floors = [rates["best"] / flops for rates in round_rates]
-    rates = {key: statistics.median(r[key] for r in round_rates) for key in round_rates[0]}
+    floors = [rates["shapes"]["flops_per_s"] / flops for rates in round_rates]
+    rates = {key: statistics.median(r[key] for r in round_rates) for key in round_rates[0] if key != "shapes"}
+    shapes = sorted((r["shapes"] for r in round_rates), key=lambda f: f["flops_per_s"])[len(round_rates) // 2]
     results: dict = {
         "floor": {
-            "gemm_flops_per_s": rates["best"],
-            "gemm_rates": rates,
+            "gemm_flops_per_s": statistics.median(r["shapes"]["flops_per_s"] for r in round_rates),
+            "shapes": shapes,
+            "widest_projection_rates": rates,
             "tokens_per_s": statistics.median(floors),
             "runs_tokens_per_s": floors,
         }
@@ -336,8 +349,10 @@ def print_startup(startups: dict) -> None:
 def print_table(r: dict) -> None:
     print(
         f"bench-25m on CPU, {r['threads']} threads; floor {r['floor']['tokens_per_s']:.0f} tok/s "
-        f"(best GEMM {r['floor']['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s; "
-        + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in r["floor"]["gemm_rates"].items() if k != "best")
+        f"(GEMM {r['floor']['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s over the model's shapes at {PROMPTS * N} rows: "
+        + ", ".join(f"{k} {v['gflops']:.0f} ({v['backend']})" for k, v in r["floor"]["shapes"]["shapes"].items())
+        + "; the widest projection at 256 rows: "
+        + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in r["floor"]["widest_projection_rates"].items() if k != "best")
         + f"); engine kernels={r['engine']['kernels']}, GEMM {r['engine']['gemm']}"
     )
     print(f"{'':28}{'engine':>12}{'transformers':>14}{'ratio':>8}")
@@ -388,15 +403,24 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="engine rows only")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported")
     parser.add_argument("--startup-only", action="store_true", help="only the start-up rows")
+    parser.add_argument("--workload", choices=("all", "bench-25m", "smollm2"), default="all")
+    parser.add_argument("--profile", action="store_true", help="a per-op profile of the bench-25m workload too")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    print(describe())
     results = {}
-    if not args.startup_only:
+    if not args.startup_only and args.workload in ("all", "bench-25m"):
         results = run(args)
         print_table(results)
-    results["startup"] = startup()
-    print_startup(results["startup"])
+        if "profile" in results:
+            bench_real.print_profile("bench-25m", results["profile"])
+    if not args.startup_only and args.workload in ("all", "smollm2"):
+        results["smollm2"] = bench_real.run(args.repeats, args.skip_hf)
+        bench_real.print_table(results["smollm2"])
+    if args.startup_only or args.workload != "smollm2":
+        results["startup"] = startup()
+        print_startup(results["startup"])
     write_json(args.out or Path("runs/bench_startup.json" if args.startup_only else "runs/bench.json"), results)
 
 

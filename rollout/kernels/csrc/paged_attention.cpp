@@ -19,11 +19,16 @@
 // first query head's pass prefetches the item's whole key and value records,
 // so the later heads and pass 2 read from cache while an item's records fit
 // in it (with 4 KV heads of 64 floats, 1 KB of keys and 1 KB of values per
-// token: a few hundred tokens in a 1 MB L2).
+// token: a few hundred tokens in a 1 MB L2). AVX2 builds without AVX-512 (Zen 3,
+// say) take the same loop in 256-bit registers: eight tokens per reduction,
+// pass 2 a cache line of each value row at a time (16 registers hold no more
+// accumulators), and the first query head loads the value records instead of
+// prefetching them (see decode_avx2).
 //
-// The intrinsics loop beats the portable one at every batch shape, most of all
-// with few rows or with the KV in cache; both beat the gather path, which
-// copies every page before SDPA reads it (figures in docs/benchmarks.md).
+// The intrinsics loops beat the portable one at every batch shape measured,
+// most of all with few rows or with the KV in cache (the AVX2 loop by only a
+// few percent at 100+ rows with the KV in DRAM); all beat the gather path,
+// which copies every page before SDPA reads it (figures in docs/benchmarks.md).
 //
 // Built at first use by rollout/kernels/build.py and registered as
 // torch.ops.rollout.paged_decode.
@@ -41,7 +46,7 @@
 #include "kernels.h"
 #include "vec_math.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -293,6 +298,132 @@ void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     }
   });
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// Lane i of the result is the sum of the eight lanes of v[i].
+inline __m256 transpose_sum8(const __m256* v) {
+  __m256 pairs[4], quads[2];
+  for (int k = 0; k < 4; ++k)  // per 128-bit half: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2k], v[2k+1]
+    pairs[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 2; ++k) {  // per 128-bit half: that half's sums of v[4k..4k+3]
+    const __m256d a = _mm256_castps_pd(pairs[2 * k]), b = _mm256_castps_pd(pairs[2 * k + 1]);
+    quads[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),   // [low halves of quads]
+                       _mm256_permute2f128_ps(quads[0], quads[1], 0x31));  // + [high halves]
+}
+
+// One query head (D floats, already scaled) times eight key rows, summed lane by lane. The
+// query is read 64 floats at a time: those 8 vectors and the 8 sums fill the 16 ymm registers.
+template <int D>
+inline void dot_lanes8(const float* query, const float* const* keys, __m256* lanes) {
+  for (int c = 0; c < D; c += 64) {
+    __m256 q[8];
+    for (int d = 0; d < 8; ++d) q[d] = _mm256_loadu_ps(query + c + 8 * d);
+    for (int u = 0; u < 8; ++u) {
+      const float* key = keys[u] + c;
+      __m256 s = c == 0 ? _mm256_mul_ps(q[0], _mm256_loadu_ps(key))
+                        : _mm256_fmadd_ps(q[0], _mm256_loadu_ps(key), lanes[u]);
+      for (int d = 1; d < 8; ++d) s = _mm256_fmadd_ps(q[d], _mm256_loadu_ps(key + 8 * d), s);
+      lanes[u] = s;
+    }
+  }
+}
+
+// Pass 2 for `heads` (at most NH) query heads that share one KV head, over DV vectors of their
+// columns: the accumulators stay in registers while the values stream past. probs holds each
+// head's row of `count` probabilities.
+template <int DV, int NH>
+inline void weighted_values8(int64_t heads, const float* values, const int64_t* offsets, int64_t count,
+                             const float* probs, const float* inv_sum, float* dst, int64_t dst_head) {
+  if constexpr (NH > 1) {  // the accumulators are registers: their count is fixed at compile time
+    if (heads < NH) return weighted_values8<DV, NH - 1>(heads, values, offsets, count, probs, inv_sum, dst, dst_head);
+  }
+  __m256 acc[NH][DV];
+  for (int h = 0; h < NH; ++h)
+    for (int d = 0; d < DV; ++d) acc[h][d] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    __m256 value[DV];
+    for (int d = 0; d < DV; ++d) value[d] = _mm256_loadu_ps(values + offsets[i] + 8 * d);
+    for (int h = 0; h < NH; ++h) {
+      const __m256 p = _mm256_broadcast_ss(probs + h * count + i);
+      for (int d = 0; d < DV; ++d) acc[h][d] = _mm256_fmadd_ps(p, value[d], acc[h][d]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    const __m256 inv = _mm256_set1_ps(inv_sum[h]);
+    for (int d = 0; d < DV; ++d) _mm256_storeu_ps(dst + h * dst_head + 8 * d, _mm256_mul_ps(acc[h][d], inv));
+  }
+}
+
+// The AVX2 loop, for builds without AVX-512: float32, head_dim D of 64 or 128.
+template <int64_t D>
+void decode_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, float scale,
+                 int64_t window) {
+  // Pass 2 takes 16 columns (one cache line of each value row) of as many query heads as the
+  // 16 ymm registers hold beside those columns and a probability: 6, in 12 accumulators.
+  // Whole rows of one head at a time (8 accumulators) were as fast with the values in DRAM and
+  // slower with them in cache.
+  constexpr int DV = 2, kMaxHeads = (16 - DV - 1) / DV;
+  const Layout layout(q, k_cache);
+  const int64_t group = layout.group, block_q = layout.block_q, block_values = layout.block_heads * D;
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), out_row = out.stride(0), out_head = out.stride(1);
+  const float* q_data = q.data_ptr<float>();
+  const float* k_data = k_cache.data_ptr<float>();
+  const float* v_data = v_cache.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+
+  for_each_item(layout, block_tables, context_lens, window, [&](int64_t row, int64_t head0, const int64_t* offsets,
+                                                                int64_t count, std::vector<float>& scratch) {
+    scratch.resize(block_q * (1 + count));
+    float* inv_sum = scratch.data();
+    float* score = inv_sum + block_q;
+
+    // Pass 1, one query head at a time; the first prefetches the item's key records and reads
+    // a float of each line of its value records. With the KV in DRAM, prefetching the values
+    // too left most of them out of cache by pass 2 on Zen 3 (the loop ran 40% slower than the
+    // portable one); a load does bring its line in, and nothing depends on it.
+    const __m256 scale_v = _mm256_set1_ps(scale);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t j = 0; j < block_q; ++j) {
+      const float* src = q_data + row * q_row + (head0 * group + j) * q_head;
+      alignas(32) float query[D];
+      for (int d = 0; d < D; d += 8) _mm256_store_ps(query + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), scale_v));
+      const float* keys = k_data + (j / group) * D;
+      float* scores = score + j * count;
+      for (int64_t i = 0; i < count; i += 8) {
+        const int64_t n = std::min<int64_t>(8, count - i);
+        if (j == 0) {
+          for (int64_t u = i; u < i + n; ++u)
+            for (int64_t o = 0; o < block_values; o += 16) {
+              __builtin_prefetch(k_data + offsets[u] + o, 0, 2);
+              static_cast<void>(*static_cast<const volatile float*>(v_data + offsets[u] + o));
+            }
+        }
+        const float* key[8];  // a short last block repeats its last token, whose sums are not stored
+        for (int u = 0; u < 8; ++u) key[u] = keys + offsets[i + std::min<int64_t>(u, n - 1)];
+        __m256 lanes[8];
+        dot_lanes8<D>(query, key, lanes);
+        if (n == 8)
+          _mm256_storeu_ps(scores + i, transpose_sum8(lanes));
+        else
+          _mm256_maskstore_ps(scores + i, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane), transpose_sum8(lanes));
+      }
+    }
+    softmax_rows(score, block_q, count, inv_sum);
+
+    // Pass 2, per KV head, its query heads in chunks of at most kMaxHeads (a chunk never
+    // crosses into the next KV head's query heads), each chunk 16 columns at a time.
+    for (int64_t j = 0, heads = 0; j < block_q; j += heads) {
+      heads = std::min<int64_t>(kMaxHeads, group - j % group);
+      const float* values = v_data + (j / group) * D;
+      float* dst = out_data + row * out_row + (head0 * group + j) * out_head;
+      const float* probs = score + j * count;
+      for (int64_t c = 0; c < D; c += 8 * DV)
+        weighted_values8<DV, kMaxHeads>(heads, values + c, offsets, count, probs, inv_sum + j, dst + c, out_head);
+    }
+  });
+}
 #endif
 
 template <typename scalar_t>
@@ -306,6 +437,15 @@ void decode_any_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         return decode_avx512<64>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
       case 128:
         return decode_avx512<128>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
+    }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    switch (q.size(2)) {
+      case 64:
+        return decode_avx2<64>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
+      case 128:
+        return decode_avx2<128>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
     }
   }
 #endif

@@ -72,11 +72,13 @@ def random_case(rows, hq, hkv, dim, *, page_size=4, pages=64, dtype=torch.float3
         (17, 6, 3, 128, 7, 4),  # sliding window
         (5, 4, 2, 24, 0, 4),  # a head size without a specialised loop
         (9, 2, 1, 32, 100, 4),  # window wider than any context
-        # Contexts past 16 tokens, whole and partial blocks of the AVX-512 loop's reductions,
-        # and query groups wider than its pass 2 holds in registers at once (4 heads of 64, 2 of 128):
-        (7, 14, 2, 64, 0, 16),  # Qwen2.5-0.5B's heads, groups of 7 as 4 + 3; at 2 threads, items per KV head
+        # Contexts past 16 tokens, whole and partial blocks of the intrinsics loops' reductions
+        # (16 tokens with AVX-512, 8 with AVX2), and query groups wider than their pass 2 holds in
+        # registers at once (AVX-512: 4 heads of 64, 2 of 128; AVX2: 6 heads of either):
+        (7, 14, 2, 64, 0, 16),  # Qwen2.5-0.5B's heads, groups of 7 as 4 + 3 (AVX2: 6 + 1); 2 threads: items per KV head
         (9, 14, 2, 64, 0, 16),  # the same, whole rows per item
         (10, 12, 2, 128, 0, 16),  # groups of 6 as 2 + 2 + 2
+        (10, 16, 2, 128, 0, 16),  # groups of 8 as 2 + 2 + 2 + 2 (AVX2: 6 + 2)
     ],
 )
 def test_float32_matches_a_float64_recompute(rows, hq, hkv, dim, window, page_size):

