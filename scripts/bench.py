@@ -217,10 +217,16 @@ def run(args) -> dict:
     runs, round_rates = timed_rounds(rollout_sides(tmp, engine, hf), args.repeats)
     results = {"threads": torch.get_num_threads(), "repeats": args.repeats, **summarize(runs, round_rates)}
     results["engine"].update(kernels=engine.config.kernels, gemm=engine.model.gemm)
+    prompts, params = workload_prompts(PROMPTS, PROMPT_LEN), rollout_params()
+
+    def one_run():
+        tokens, seconds = time_engine(engine, prompts, params)
+        return tokens, seconds, PROMPT_LEN + tokens / (PROMPTS * N) / 2
+
+    results["own_steps_floor"] = bench_real.own_steps_floor(engine, one_run, BENCH_25M, PROMPTS * N)
     results.update(single_runs(engine, hf))
     if args.profile:
-        params = SamplingParams(n=N, max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=STOP_IDS, ignore_eos=True)
-        results["profile"] = bench_real.profile(engine, workload_prompts(PROMPTS, PROMPT_LEN), params, BENCH_25M)
+        results["profile"] = bench_real.profile(engine, prompts, params, BENCH_25M)
     return results
 
 
@@ -228,8 +234,7 @@ def rollout_sides(path: Path, engine: Engine, hf) -> dict:
     """The timed sides of the rollout rows, each a call returning (tokens, seconds):
     the engine, the engine on torch ops only (when it runs compiled kernels), and
     transformers (unless `hf` is None)."""
-    prompts = workload_prompts(PROMPTS, PROMPT_LEN)
-    params = SamplingParams(n=N, max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=STOP_IDS, ignore_eos=True)
+    prompts, params = workload_prompts(PROMPTS, PROMPT_LEN), rollout_params()
     sides = {"engine": lambda: time_engine(engine, prompts, params)}
     if engine.config.kernels != "torch":
         plain = Engine(path, **ENGINE_SIZES, kernels="torch")
@@ -237,6 +242,11 @@ def rollout_sides(path: Path, engine: Engine, hf) -> dict:
     if hf is not None:
         sides["transformers"] = lambda: time_hf(hf, prompts, N, MAX_TOKENS)
     return sides
+
+
+def rollout_params() -> SamplingParams:
+    """The rollout rows' sampling: n=8, up to 128 tokens at temperature 1, ending at the stop ids."""
+    return SamplingParams(n=N, max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=STOP_IDS, ignore_eos=True)
 
 
 def timed_rounds(sides: dict, repeats: int) -> tuple[dict[str, list[tuple[int, float]]], list[dict[str, float]]]:
@@ -378,6 +388,8 @@ def print_table(r: dict) -> None:
             f"sampling 64 rows x 151936 vocab, filters {filters}: compiled {ms['compiled']:.1f} ms, "
             f"torch path {ms['torch']:.1f} ms ({ms['torch'] / ms['compiled']:.1f}x; medians of 5 alternating calls)"
         )
+    if "own_steps_floor" in r:
+        bench_real.print_own_steps_floor(r["own_steps_floor"])
     fractions = ", ".join(f"{x:.2f}" for x in r["engine"]["runs_fraction_of_floor"])
     speedups = ", ".join(f"{x:.2f}" for x in r.get("speedup_per_round", []))
     print(

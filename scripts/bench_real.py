@@ -102,11 +102,12 @@ def _seconds_per_call(fn, seconds: float) -> float:
     return (time.perf_counter() - start) / count
 
 
-def gemm_floor(config: dict, rows: int, seconds: float = 0.4) -> dict:
-    """Per projection shape at `rows` rows: the best seconds per call of BLAS,
-    oneDNN and packed oneDNN, its GFLOP/s and backend; and the whole model's
-    GEMM seconds per step and effective FLOP/s."""
+def gemm_floor(config: dict, rows: int, seconds: float = 0.4, names=None) -> dict:
+    """Per projection shape at `rows` rows (those in `names`, default all): the
+    best seconds per call of BLAS, oneDNN and packed oneDNN, its GFLOP/s and
+    backend; and the model's GEMM seconds per step and effective FLOP/s over them."""
     shapes, out = projection_shapes(config), {}
+    shapes = {k: v for k, v in shapes.items() if names is None or k in names}
     total_s = total_flops = 0.0
     for name, (n_out, n_in, count) in shapes.items():
         x, w = torch.randn(rows, n_in), torch.randn(n_out, n_in)
@@ -117,6 +118,75 @@ def gemm_floor(config: dict, rows: int, seconds: float = 0.4) -> dict:
         total_s += count * times[best]
         total_flops += count * flops
     return {"rows": rows, "shapes": out, "step_seconds": total_s, "flops_per_s": total_flops / total_s}
+
+
+def steps_gemm_seconds(
+    config: dict, steps: list[tuple[int, int]], seconds: float = 0.2, full_rows: int | None = None
+) -> tuple[float, float | None]:
+    """The GEMM time of `steps` ((tokens computed, tokens sampled) per step, as
+    `Engine.step_log` gives them) at the floor's best backend per shape, each
+    step at its own row counts: every projection multiplies the step's tokens,
+    the LM head its sampled rows. Shapes are timed at the powers of two that
+    bound the steps' row counts and interpolated linearly between them. Also
+    the whole model's GEMM FLOP/s at `full_rows` (a power of two) from the same
+    timings, when given: the full-batch floor's rate, timed alike."""
+    shapes = projection_shapes(config)
+    wanted: dict[int, set[str]] = defaultdict(set)
+    if full_rows is not None:
+        wanted[full_rows].update(shapes)
+    for tokens, sampled in steps:
+        for name in shapes:
+            rows = sampled if name == "lm_head" else tokens
+            if rows:
+                for bound in _bounds(rows):
+                    wanted[bound].add(name)
+    timed = {rows: gemm_floor(config, rows, seconds, names)["shapes"] for rows, names in sorted(wanted.items())}
+    total = 0.0
+    for tokens, sampled in steps:
+        for name, (_, _, count) in shapes.items():
+            rows = sampled if name == "lm_head" else tokens
+            if rows:
+                lo, hi = _bounds(rows)
+                a, b = timed[lo][name]["seconds"], timed[hi][name]["seconds"]
+                total += count * (a if hi == lo else a + (b - a) * (rows - lo) / (hi - lo))
+    if full_rows is None:
+        return total, None
+    flops = sum(2 * full_rows * o * i * c for o, i, c in shapes.values())
+    return total, flops / sum(c * timed[full_rows][name]["seconds"] for name, (_, _, c) in shapes.items())
+
+
+def own_steps_floor(engine: Engine, run, config: dict, full_rows: int) -> dict:
+    """A floor at the row counts the engine's steps really had: one `run()`
+    (a `generate`, returning tokens, seconds and mean context), then the GEMM
+    time of its logged steps at the best backend per shape
+    (`steps_gemm_seconds`: prefill chunks included) plus its decode attention
+    at the full-batch rate; and the full-batch floor (`full_rows` rows) from
+    the same timings, since this host's speed drifts between minutes. The
+    full-batch floor over this one is what a step's row count costs the GEMMs
+    (the long tail, the prefill); this one over the engine, what the rest of
+    the step costs."""
+    since = time.time()
+    tokens, seconds, context = run()
+    steps = [(s.num_tokens, s.num_sampled) for s in engine.step_log(since)]
+    gemm, rate = steps_gemm_seconds(config, steps, full_rows=full_rows)
+    per_token = 2 * sum(o * i * c for o, i, c in projection_shapes(config).values()) + attention_flops(config, context)
+    attention = tokens * attention_flops(config, context) / rate
+    return {
+        "full_batch_tokens_per_s": rate / per_token,
+        "tokens_per_s": tokens / (gemm + attention),
+        "engine_tokens_per_s": tokens / seconds,
+        "engine_fraction": (tokens / seconds) / (tokens / (gemm + attention)),
+        "gemm_seconds": gemm,
+        "attention_seconds": attention,
+        "steps": len(steps),
+        "mean_context": context,
+    }
+
+
+def _bounds(rows: int) -> tuple[int, int]:
+    """The powers of two just below and above `rows` (both `rows` when it is one)."""
+    hi = 1 << (rows - 1).bit_length()
+    return (hi if hi == rows else hi >> 1), hi
 
 
 def _backends(w: torch.Tensor) -> dict:
@@ -191,7 +261,9 @@ def run(repeats: int, skip_hf: bool, real: bool | None = None) -> dict:
         for name, timed in sides.items():
             runs[name].append(timed())
         floors.append(gemm_floor(SMOLLM2, rows))
-    _, _, context = time_engine(engine, prompts, workload.params)
+    middle = sorted(floors, key=lambda f: f["flops_per_s"])[len(floors) // 2]
+    own = own_steps_floor(engine, lambda: time_engine(engine, prompts, workload.params), SMOLLM2, rows)
+    context = own["mean_context"]
     per_token = 2 * sum(o * i * c for o, i, c in projection_shapes(SMOLLM2).values())
     per_token += attention_flops(SMOLLM2, context)
     floor_rates = [f["flops_per_s"] / per_token for f in floors]
@@ -201,7 +273,8 @@ def run(repeats: int, skip_hf: bool, real: bool | None = None) -> dict:
         "rows": rows,
         "mean_context": context,
         "flops_per_token": per_token,
-        "floor": {**floors[len(floors) // 2], "tokens_per_s": statistics.median(floor_rates), "runs": floor_rates},
+        "floor": {**middle, "tokens_per_s": statistics.median(floor_rates), "runs": floor_rates},
+        "own_steps_floor": own,
         "kernels": engine.config.kernels,
         "gemm": engine.model.gemm,
     }
@@ -291,6 +364,16 @@ def print_profile(title: str, prof: dict) -> None:
         print(f"  {name:36}{row['seconds']:8.2f} s{100 * row['share']:7.1f}%  {rate}")
 
 
+def print_own_steps_floor(own: dict) -> None:
+    print(
+        f"floor at the engine's own {own['steps']} steps: {own['tokens_per_s']:.0f} tok/s "
+        f"(GEMMs {own['gemm_seconds']:.2f} s at each step's row counts, attention {own['attention_seconds']:.2f} s), "
+        f"{own['tokens_per_s'] / own['full_batch_tokens_per_s']:.2f} of the full-batch floor timed with it "
+        f"({own['full_batch_tokens_per_s']:.0f} tok/s); engine in that run "
+        f"{own['engine_tokens_per_s']:.0f} tok/s, {own['engine_fraction']:.2f} of it"
+    )
+
+
 def print_table(r: dict) -> None:
     floor = r["floor"]
     shapes = ", ".join(f"{k} {v['gflops']:.0f} ({v['backend']})" for k, v in floor["shapes"].items())
@@ -309,6 +392,7 @@ def print_table(r: dict) -> None:
         ours, theirs = r["engine"][key], hf and hf[key]
         ratio = f"{ours / theirs:8.2f}" if theirs else ""
         print(f"{label:28}{ours:12.2f}{(theirs or float('nan')):14.2f}{ratio}")
+    print_own_steps_floor(r["own_steps_floor"])
     runs = ", ".join(f"{x:.0f}" for x in r["engine"]["runs_tokens_per_s"])
     hf_runs = ", ".join(f"{x:.0f}" for x in hf["runs_tokens_per_s"]) if hf else "-"
     print(f"per round: engine {runs} tok/s; transformers {hf_runs} tok/s")

@@ -54,3 +54,42 @@ def test_profile_splits_a_generate_by_op(qwen2, capsys):
     bench_real.print_profile("tiny", prof)
     assert "GEMM" in capsys.readouterr().out
     assert sum(r["share"] for r in ops.values()) == pytest.approx(1.0)
+
+
+def test_steps_gemm_seconds_interpolates_between_powers_of_two(monkeypatch):
+    """Each shape's time at a step's rows, linear between the powers of two around
+    them; the LM head at the sampled rows; a stub timing makes it hand-checkable."""
+    config = preset("test-tiny")
+    calls = []
+
+    def fake_floor(config, rows, seconds, names):
+        calls.append((rows, frozenset(names)))
+        return {"shapes": {name: {"seconds": rows * (2.0 if name == "lm_head" else 1.0)} for name in names}}
+
+    monkeypatch.setattr(bench_real, "gemm_floor", fake_floor)
+    layers = config["num_hidden_layers"]
+    # 8 tokens, 8 sampled: exact; 3 tokens, 2 sampled: 3 is between 2 and 4 (time 3), LM head exact.
+    total, rate = bench_real.steps_gemm_seconds(config, [(8, 8), (3, 2)], full_rows=8)
+    assert total == pytest.approx(4 * layers * 8 + 2 * 8 + 4 * layers * 3 + 2 * 2)
+    assert {rows for rows, _ in calls} == {2, 4, 8}
+    flops = sum(2 * 8 * o * i * c for o, i, c in bench_real.projection_shapes(config).values())
+    assert rate == pytest.approx(flops / (4 * layers * 8 + 2 * 8))  # the full batch from the same timings
+    # A prefill chunk that samples nothing multiplies no LM head row.
+    calls.clear()
+    assert bench_real.steps_gemm_seconds(config, [(16, 0)]) == (pytest.approx(4 * layers * 16), None)
+    assert calls == [(16, frozenset({"qkv", "o_proj", "gate_up", "down"}))]
+
+
+def test_own_steps_floor_reads_the_steps_of_its_run(qwen2):
+    engine = make_engine(qwen2.path)
+    prompts, params = [list(range(3, 30))] * 2, SamplingParams(n=2, max_tokens=6, ignore_eos=True, seed=0)
+    engine.generate(prompts, params)  # steps before the run are not counted
+
+    def run():
+        tokens, seconds, context = bench_real.time_engine(engine, prompts, params)
+        return tokens, seconds, context
+
+    own = bench_real.own_steps_floor(engine, run, preset("test-tiny"), full_rows=4)
+    assert own["steps"] == 6  # one prefill step that samples, then 5 decode steps
+    assert own["gemm_seconds"] > 0 and own["tokens_per_s"] > 0 and own["full_batch_tokens_per_s"] > 0
+    assert own["engine_fraction"] == pytest.approx(own["engine_tokens_per_s"] / own["tokens_per_s"])
