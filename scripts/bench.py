@@ -218,12 +218,9 @@ def run(args) -> dict:
     results = {"threads": torch.get_num_threads(), "repeats": args.repeats, **summarize(runs, round_rates)}
     results["engine"].update(kernels=engine.config.kernels, gemm=engine.model.gemm)
     prompts, params = workload_prompts(PROMPTS, PROMPT_LEN), rollout_params()
-
-    def one_run():
-        tokens, seconds = time_engine(engine, prompts, params)
-        return tokens, seconds, PROMPT_LEN + tokens / (PROMPTS * N) / 2
-
-    results["own_steps_floor"] = bench_real.own_steps_floor(engine, one_run, BENCH_25M, PROMPTS * N)
+    results["own_steps_floor"] = bench_real.own_steps_floor(
+        engine, lambda: bench_real.time_engine(engine, prompts, params), BENCH_25M, PROMPTS * N
+    )
     results.update(single_runs(engine, hf))
     if args.profile:
         results["profile"] = bench_real.profile(engine, prompts, params, BENCH_25M)

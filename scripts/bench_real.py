@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from rollout import Engine, SamplingParams
+from rollout.engine.requests import PromptLimits, prompt_token_ids
 from rollout.model.linear import onednn_linear
 from scripts.presets import preset
 
@@ -59,7 +60,7 @@ class Workload:
 
             self.path = smollm2_checkpoint()
         else:
-            from scripts.bench import make_checkpoint
+            from scripts.bench import make_checkpoint  # deferred: scripts.bench imports this module
 
             self.path = Path(tempfile.mkdtemp(prefix="bench_smollm2_"))
             make_checkpoint(self.path, SMOLLM2)
@@ -68,9 +69,10 @@ class Workload:
         self.name = "SmolLM2-135M-Instruct" if self.real else "random weights of SmolLM2-135M's shapes"
 
     def prompts(self, engine: Engine) -> list[list[int]]:
-        if self.real:
-            return [list(out.prompt_token_ids) for out in engine.generate(MESSAGES, SamplingParams(max_tokens=1))]
-        from scripts.bench import workload_prompts
+        if self.real:  # the chat template's rendering, as `generate` tokenizes chat prompts
+            limits = PromptLimits.of(engine.config, engine.model_config)
+            return [prompt_token_ids(m, limits, engine.codec) for m in MESSAGES]
+        from scripts.bench import workload_prompts  # deferred: scripts.bench imports this module
 
         return workload_prompts(len(TOPICS), RANDOM_PROMPT_LEN, vocab=SMOLLM2["vocab_size"])
 
@@ -289,7 +291,7 @@ def run(repeats: int, skip_hf: bool, real: bool | None = None) -> dict:
     if hf is not None:
         results["speedup_vs_transformers"] = results["engine"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
     results["profile"] = profile(engine, prompts, workload.params)
-    from scripts.bench import startup_run
+    from scripts.bench import startup_run  # deferred: scripts.bench imports this module
 
     startup_run(workload.path)
     results["startup"] = startup_run(workload.path)

@@ -115,11 +115,12 @@ class SamplingBatch:
     def rows(self, index: torch.Tensor) -> SamplingBatch:
         """The batch of rows `index` (a device index tensor); the flags stay the
         whole batch's, which are true of any subset where they matter."""
-        fields = {name: getattr(self, name).index_select(0, index) for name in _ROW_FIELDS}
+        fields = {name: getattr(self, name).index_select(0, index) for name in SAMPLING_FIELDS}
         return SamplingBatch(**fields, flags=self.flags)
 
 
-_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_index", "rng_pos", "mode")
+# The per-row tensors of a `SamplingBatch` (the stepper keeps one workspace buffer of each).
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_index", "rng_pos", "mode")
 
 
 def sample(

@@ -22,10 +22,8 @@ from ..model.attention import AttentionMetadata, PrefillSpan
 from ..model.decoder import Model
 from .decode_graphs import DecodeGraphs, GraphKey
 from .plan import ScheduledChunk, StepPlan, StepResult, TopLogprobs
-from .sampler import MODE_CODES, SamplerFlags, SamplingBatch, sample, top_logprobs
+from .sampler import MODE_CODES, SAMPLING_FIELDS, SamplerFlags, SamplingBatch, sample, top_logprobs
 from .sequence import Sequence
-
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_index", "rng_pos", "mode")
 
 
 @dataclass(slots=True)
@@ -67,6 +65,7 @@ class Stepper:
         self.decode_kernel = decode_kernel
         self.sample_kernel = sample_kernel
         self._flags = SamplerFlags(False, False, False)  # of the batch whose inputs the workspace holds
+        self._top: list[int] | None = None  # its rows' top_logprobs counts, when some row asks
         self.graphs = None
         if decode_graphs != "off":
             if scratch_page is None:
@@ -91,18 +90,25 @@ class Stepper:
         if _is_pure_decode(plan.chunks):
             signature = TaskSignature(plan.version, tuple(s.seq_id for s in samplers))
             if not self.cache.prepare(signature, lambda: self._decode_rows(plan.chunks)):
-                self._flags = SamplerFlags.of(s.request.params for s in samplers)  # a hit keeps the last ones
+                self._read_batch(samplers)  # a hit keeps the last batch's facts
             num_logits = num_rows
         else:
             num_logits = self._upload_general(plan.chunks)
-            self._flags = SamplerFlags.of(s.request.params for s in samplers)
+            self._read_batch(samplers)
         meta = self._attention_metadata(plan.chunks)
-        top = [s.request.params.top_logprobs for s in samplers]
-        top = top if any(top) else None
         graph = None
-        if self.graphs is not None and signature is not None and top is None:  # a graph keeps no logits
+        if self.graphs is not None and signature is not None and self._top is None:  # a graph keeps no logits
             graph = self.graphs.key(num_rows, meta.decode_block_tables.shape[1], self._flags)
-        return PreparedStep(meta, num_rows, num_logits, self._flags, signature, graph, top)
+        return PreparedStep(meta, num_rows, num_logits, self._flags, signature, graph, self._top)
+
+    def _read_batch(self, samplers: list[Sequence]) -> None:
+        """The host-known facts of the batch whose inputs the workspace now holds:
+        the sampler's flags, and how many top logprobs each row asks for (None
+        when none does)."""
+        params = [s.request.params for s in samplers]
+        self._flags = SamplerFlags.of(params)
+        top = [p.top_logprobs for p in params]
+        self._top = top if any(top) else None
 
     def _run(self, plan: StepPlan, prepared: PreparedStep) -> TopLogprobs | None:
         """The model and sampler: tokens and logprobs land in the workspace's out buffers;
@@ -248,7 +254,7 @@ class Stepper:
         )
 
     def _sampling_batch(self, n: int, flags: SamplerFlags) -> SamplingBatch:
-        return SamplingBatch(**{name: self.ws.view(name, n) for name in _SAMPLING}, flags=flags)
+        return SamplingBatch(**{name: self.ws.view(name, n) for name in SAMPLING_FIELDS}, flags=flags)
 
 
 def _is_pure_decode(chunks: list[ScheduledChunk]) -> bool:

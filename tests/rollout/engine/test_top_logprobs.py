@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
+from rollout.engine.streams import SampleDelta
 from tests.conftest import make_engine
 from tests.reference import processed_logprobs
 
@@ -111,7 +112,7 @@ def test_streamed_deltas_carry_the_top_logprobs_of_their_tokens(qwen2):
     stream = engine.stream(PROMPT, params)
     tops = []
     for item in stream:
-        if hasattr(item, "top_logprobs") and hasattr(item, "index"):
+        if isinstance(item, SampleDelta):
             assert len(item.top_logprobs) == len(item.token_ids)
             tops.extend(item.top_logprobs)
     assert tops == stream.output.samples[0].top_logprobs
