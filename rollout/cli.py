@@ -87,6 +87,7 @@ def generate(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
         kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     texts = [p if isinstance(p, str) else None for p in prompts]
     if any(texts) and engine.tokenizer is None:
@@ -127,6 +128,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--kv-cache-tokens", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default=None, help="the KV pool's dtype (default: --dtype; bfloat16 halves it)")
 
 
 def _serve_parser(sub) -> None:

@@ -221,6 +221,13 @@ def run(args) -> dict:
     results["own_steps_floor"] = bench_real.own_steps_floor(
         engine, lambda: bench_real.time_engine(engine, prompts, params), BENCH_25M, PROMPTS * N
     )
+    if hf is not None:
+        bf16_kv = Engine(tmp, **ENGINE_SIZES, kv_cache_dtype="bfloat16")
+        results["logprob_mismatch"] = {
+            label: bench_real.logprob_mismatch(e, hf, prompts, params)
+            for label, e in (("engine", engine), ("kv_cache_dtype='bfloat16'", bf16_kv))
+        }
+        bf16_kv.close()
     results.update(single_runs(engine, hf))
     if args.profile:
         results["profile"] = bench_real.profile(engine, prompts, params, BENCH_25M)
@@ -229,10 +236,14 @@ def run(args) -> dict:
 
 def rollout_sides(path: Path, engine: Engine, hf) -> dict:
     """The timed sides of the rollout rows, each a call returning (tokens, seconds):
-    the engine, the engine on torch ops only (when it runs compiled kernels), and
-    transformers (unless `hf` is None)."""
+    the engine, the engine with a bfloat16 KV pool, the engine on torch ops only
+    (when it runs compiled kernels), and transformers (unless `hf` is None)."""
     prompts, params = workload_prompts(PROMPTS, PROMPT_LEN), rollout_params()
-    sides = {"engine": lambda: time_engine(engine, prompts, params)}
+    bf16_kv = Engine(path, **ENGINE_SIZES, kv_cache_dtype="bfloat16")
+    sides = {
+        "engine": lambda: time_engine(engine, prompts, params),
+        "engine_kv_bf16": lambda: time_engine(bf16_kv, prompts, params),
+    }
     if engine.config.kernels != "torch":
         plain = Engine(path, **ENGINE_SIZES, kernels="torch")
         sides["engine_torch_ops"] = lambda: time_engine(plain, prompts, params)
@@ -362,7 +373,7 @@ def print_table(r: dict) -> None:
         + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in r["floor"]["widest_projection_rates"].items() if k != "best")
         + f"); engine kernels={r['engine']['kernels']}, GEMM {r['engine']['gemm']}"
     )
-    print(f"{'':28}{'engine':>12}{'transformers':>14}{'ratio':>8}")
+    print(f"{'':34}{'engine':>12}{'transformers':>14}{'ratio':>8}")
     hf = r.get("transformers")
     rows = [
         ("rollout tokens/s", r["engine"]["tokens_per_s"], hf and hf["tokens_per_s"]),
@@ -377,9 +388,13 @@ def print_table(r: dict) -> None:
     if "engine_torch_ops" in r:
         torch_ops = r["engine_torch_ops"]["tokens_per_s"]
         rows.insert(1, ("  with kernels='torch'", torch_ops, hf and hf["tokens_per_s"]))
+    bf16 = r["engine_kv_bf16"]
+    rows.insert(1, ("  with kv_cache_dtype='bfloat16'", bf16["tokens_per_s"], hf and hf["tokens_per_s"]))
+    rows.insert(-2, ("  with kv_cache_dtype='bfloat16'", bf16["fraction_of_floor"], hf and hf["fraction_of_floor"]))
     for name, ours, theirs in rows:
         ratio = f"{ours / theirs:8.2f}" if theirs else ""
-        print(f"{name:28}{ours:12.2f}{(theirs or float('nan')):14.2f}{ratio}")
+        print(f"{name:34}{ours:12.2f}{(theirs or float('nan')):14.2f}{ratio}")
+    bench_real.print_mismatch(r.get("logprob_mismatch", {}))
     for filters, ms in r.get("sampler_ms_64x151936", {}).items():
         print(
             f"sampling 64 rows x 151936 vocab, filters {filters}: compiled {ms['compiled']:.1f} ms, "

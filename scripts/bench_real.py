@@ -229,6 +229,34 @@ def time_hf_chat(model, prompts: list[list[int]], eos: list[int], params: Sampli
     return tokens, seconds
 
 
+def logprob_mismatch(engine: Engine, hf, prompts, params: SamplingParams, samples: int = 16) -> dict:
+    """How far the engine's sampled-token logprobs lie from transformers' float32
+    recompute (teacher-forced over prompt and response, float64 log-softmax): what
+    a trainer sees between rollout and training logprobs. Over the first
+    `samples` samples of one `generate`; `params` must report plain
+    log-softmax logprobs (temperature 1, no filters)."""
+    outs = engine.generate(prompts, params)
+    pairs = [(o.prompt_token_ids, s) for o in outs for s in o.samples][:samples]
+    diffs = []
+    for prompt, sample in pairs:
+        ids = torch.tensor([prompt + sample.token_ids])
+        with torch.no_grad():
+            logits = hf(ids).logits[0, len(prompt) - 1 : -1].double()
+        ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(sample.token_ids)[:, None]).squeeze(1)
+        diffs.append((torch.tensor(sample.logprobs, dtype=torch.float64) - ref).abs())
+    every = torch.cat(diffs)
+    return {"mean_abs": every.mean().item(), "max_abs": every.max().item(), "tokens": every.numel()}
+
+
+def print_mismatch(sides: dict) -> None:
+    """The `logprob_mismatch` rows of the engine sides that have them."""
+    for label, m in sides.items():
+        print(
+            f"logprobs against transformers float32, {label}: mean |diff| {m['mean_abs']:.2e}, "
+            f"max {m['max_abs']:.2e} over {m['tokens']} sampled tokens"
+        )
+
+
 def time_engine(engine: Engine, prompts, params) -> tuple[int, float, float]:
     """Tokens, seconds and the mean context per sampled token of one `generate`."""
     start = time.perf_counter()
@@ -251,7 +279,11 @@ def run(repeats: int, skip_hf: bool, real: bool | None = None) -> dict:
 
         hf = AutoModelForCausalLM.from_pretrained(workload.path, dtype=torch.float32).eval()
     eos = workload.eos(engine)
-    sides = {"engine": lambda: time_engine(engine, prompts, workload.params)[:2]}
+    bf16_kv = Engine(workload.path, device="cpu", kv_cache_dtype="bfloat16")
+    sides = {
+        "engine": lambda: time_engine(engine, prompts, workload.params)[:2],
+        "engine_kv_bf16": lambda: time_engine(bf16_kv, prompts, workload.params)[:2],
+    }
     if hf is not None:
         sides["transformers"] = lambda: time_hf_chat(hf, prompts, eos, workload.params)
     for timed in sides.values():  # first-touch allocations, packing, kernel builds
@@ -290,6 +322,11 @@ def run(repeats: int, skip_hf: bool, real: bool | None = None) -> dict:
         }
     if hf is not None:
         results["speedup_vs_transformers"] = results["engine"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
+        results["logprob_mismatch"] = {
+            label: logprob_mismatch(e, hf, prompts, workload.params)
+            for label, e in (("engine", engine), ("kv_cache_dtype='bfloat16'", bf16_kv))
+        }
+    bf16_kv.close()
     results["profile"] = profile(engine, prompts, workload.params)
     from scripts.bench import startup_run  # deferred: scripts.bench imports this module
 
@@ -389,15 +426,22 @@ def print_table(r: dict) -> None:
         f"{r['mean_context']:.0f}"
     )
     hf = r.get("transformers")
-    print(f"{'':28}{'engine':>12}{'transformers':>14}{'ratio':>8}")
-    for label, key in (("rollout tokens/s", "tokens_per_s"), ("fraction of floor", "fraction_of_floor")):
-        ours, theirs = r["engine"][key], hf and hf[key]
+    print(f"{'':34}{'engine':>12}{'transformers':>14}{'ratio':>8}")
+    for label, side, key in (
+        ("rollout tokens/s", "engine", "tokens_per_s"),
+        ("  with kv_cache_dtype='bfloat16'", "engine_kv_bf16", "tokens_per_s"),
+        ("fraction of floor", "engine", "fraction_of_floor"),
+        ("  with kv_cache_dtype='bfloat16'", "engine_kv_bf16", "fraction_of_floor"),
+    ):
+        ours, theirs = r[side][key], hf and hf[key]
         ratio = f"{ours / theirs:8.2f}" if theirs else ""
-        print(f"{label:28}{ours:12.2f}{(theirs or float('nan')):14.2f}{ratio}")
+        print(f"{label:34}{ours:12.2f}{(theirs or float('nan')):14.2f}{ratio}")
+    print_mismatch(r.get("logprob_mismatch", {}))
     print_own_steps_floor(r["own_steps_floor"])
     runs = ", ".join(f"{x:.0f}" for x in r["engine"]["runs_tokens_per_s"])
+    bf16_runs = ", ".join(f"{x:.0f}" for x in r["engine_kv_bf16"]["runs_tokens_per_s"])
     hf_runs = ", ".join(f"{x:.0f}" for x in hf["runs_tokens_per_s"]) if hf else "-"
-    print(f"per round: engine {runs} tok/s; transformers {hf_runs} tok/s")
+    print(f"per round: engine {runs} tok/s; with a bfloat16 KV pool {bf16_runs}; transformers {hf_runs} tok/s")
     s = r["startup"]
     print(
         f"start-up {s['total_s']:.2f} s (import {s['import_s']:.2f}, Engine() {s['engine_s']:.2f}, first 4 tokens "

@@ -69,10 +69,11 @@ class KVPool:
         return self.k.nbytes + self.v.nbytes
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store `k`, `v` of shape `[T, num_kv_heads, head_dim]` at `slots` `[T]`."""
+        """Store `k`, `v` of shape `[T, num_kv_heads, head_dim]` at `slots` `[T]`, cast to the pool's
+        dtype (rounded to nearest even, as the compiled kernels store them)."""
         flat = (-1, self.num_kv_heads, self.head_dim)
-        self.k[layer].view(flat).index_copy_(0, slots, k)
-        self.v[layer].view(flat).index_copy_(0, slots, v)
+        self.k[layer].view(flat).index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].view(flat).index_copy_(0, slots, v.to(self.v.dtype))
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the pages in `block_table` (`[..., P]`), as `[..., P * page_size, H, D]`."""

@@ -29,6 +29,7 @@ _KV_SHARE_CPU = 0.25
 class EngineConfig:
     device: torch.device
     dtype: torch.dtype
+    kv_cache_dtype: torch.dtype  # the KV pool's dtype: `dtype`, or bfloat16 under float32 (half the bytes)
     max_batch_size: int  # sequences decoding at once
     max_seq_len: int  # prompt plus output tokens of one sequence
     page_size: int  # tokens per KV page
@@ -57,12 +58,14 @@ class EngineConfig:
         max_step_tokens,
         decode_graphs="off",
         kernels="auto",
+        kv_cache_dtype=None,
     ) -> EngineConfig:
         dev = _device(device)
         graphs = resolve_mode(decode_graphs, dev) if isinstance(decode_graphs, str) else None
         if graphs is None:
             raise TypeError(f"decode_graphs must be a str, one of {MODES}, got {type(decode_graphs).__name__}")
         dt = _dtype(dtype)
+        kv_dt = _kv_cache_dtype(kv_cache_dtype, dt)
         # The checks return plain ints: numpy scalars from a caller stop here.
         max_batch_size = check_int("max_batch_size", max_batch_size, 1)
         page_size = check_int("page_size", page_size, 1)
@@ -79,12 +82,13 @@ class EngineConfig:
             max_step_tokens = max(2048, max_batch_size)
         max_step_tokens = check_int("max_step_tokens", max_step_tokens, max_batch_size, "(at least max_batch_size)")
         if kv_cache_tokens is None:
-            kv_cache_tokens = _default_kv_tokens(mc, dev, dt, max_batch_size * max_seq_len)
+            kv_cache_tokens = _default_kv_tokens(mc, dev, kv_dt, max_batch_size * max_seq_len)
         kv_cache_tokens = check_int("kv_cache_tokens", kv_cache_tokens, page_size, "(at least one page)")
         kernel_choice = check_kernels(kernels, dev)
         return cls(
             device=dev,
             dtype=dt,
+            kv_cache_dtype=kv_dt,
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
             page_size=page_size,
@@ -128,16 +132,30 @@ def _device(device) -> torch.device:
     return dev
 
 
-def _dtype(dtype) -> torch.dtype:
+def _dtype(dtype, field: str = "dtype") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype}")
+            raise ValueError(f"{field} must be one of {tuple(DTYPES)}, got {dtype}")
         return dtype
     if not isinstance(dtype, str):
-        raise TypeError(f"dtype must be a str or torch.dtype, got {type(dtype).__name__}")
+        raise TypeError(f"{field} must be a str or torch.dtype, got {type(dtype).__name__}")
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"{field} must be one of {tuple(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def _kv_cache_dtype(kv_cache_dtype, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype: None means the model's `dtype`; a float32 model may
+    also keep its KV in bfloat16 (half the bytes; logprobs then differ from a
+    float32 pool's by the keys' and values' rounding, see docs/design.md)."""
+    if kv_cache_dtype is None:
+        return dtype
+    kv = _dtype(kv_cache_dtype, "kv_cache_dtype")
+    allowed = (dtype, torch.bfloat16) if dtype == torch.float32 else (dtype,)
+    if kv not in allowed:
+        names = ", ".join(repr(str(d).removeprefix("torch.")) for d in allowed)
+        raise ValueError(f"kv_cache_dtype must be None or one of {names} for dtype {dtype}, got {kv_cache_dtype!r}")
+    return kv
 
 
 def _default_kv_tokens(mc: ModelConfig, device: torch.device, dtype: torch.dtype, wanted: int) -> int:

@@ -69,7 +69,9 @@ class Engine(WeightsAPI):
     without capture, see `rollout.engine.decode_graphs`), `kernels` ("auto": on
     the CPU the compiled kernels of `rollout.kernels` when they build,
     else "torch"; "compiled": those kernels or an error; "torch": torch ops
-    only, decode attention over gathered pages with SDPA), `step_callback`.
+    only, decode attention over gathered pages with SDPA), `kv_cache_dtype`
+    (None: the model's; "bfloat16" under float32 halves the pool, at a logprob
+    cost, see docs/design.md), `step_callback`.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class Engine(WeightsAPI):
         debug_decode_cache: bool = False,
         decode_graphs: str = "off",
         kernels: str = "auto",
+        kv_cache_dtype: str | torch.dtype | None = None,
         step_callback: Callable[[StepInfo], None] | None = None,
     ) -> None:
         self.model_config = ModelConfig.from_dir(model_path)
@@ -102,6 +105,7 @@ class Engine(WeightsAPI):
             max_step_tokens=max_step_tokens,
             decode_graphs=decode_graphs,
             kernels=kernels,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.codec = TextCodec.from_dir(model_path, self.model_config.eos_token_ids)
         self._cpu_ops = load_kernels(cfg.kernels)  # compiled at first use; None: torch ops only
@@ -132,7 +136,7 @@ class Engine(WeightsAPI):
             page_size=cfg.page_size,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
-            dtype=cfg.dtype,
+            dtype=cfg.kv_cache_dtype,
             device=cfg.device,
         )
         shape = WorkspaceShape(cfg.max_step_tokens, cfg.max_batch_size, -(-cfg.max_seq_len // cfg.page_size))

@@ -100,7 +100,7 @@ def paged_attention(
 
 def _prefill(q, layer: int, kv: KVPool, span: PrefillSpan, mask, scale: float) -> torch.Tensor:
     k, v = kv.gather(layer, span.block_table)
-    k, v = k[: span.context_len], v[: span.context_len]
+    k, v = k[: span.context_len].to(q.dtype), v[: span.context_len].to(q.dtype)  # a bfloat16 pool under float32
     groups = q.shape[1] // kv.num_kv_heads
     if groups > 1:
         # On the CPU, SDPA with enable_gqa falls back to its math kernel, which
@@ -123,8 +123,8 @@ def _decode(q, layer: int, kv: KVPool, meta: AttentionMetadata, window: int | No
     k, v = kv.gather(layer, meta.decode_block_tables)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
+        k.transpose(1, 2).to(q.dtype),
+        v.transpose(1, 2).to(q.dtype),
         attn_mask=meta.decode_mask(window, k.shape[1]),
         scale=scale,
         enable_gqa=True,

@@ -26,6 +26,7 @@ def build_backend(args: argparse.Namespace) -> Backend:
         "max_batch_size": args.max_batch_size,
         "max_seq_len": args.max_seq_len,
         "kv_cache_tokens": args.kv_cache_tokens,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     if args.device is not None:
         sizes["device"] = args.device

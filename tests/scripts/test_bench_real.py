@@ -1,10 +1,12 @@
 """scripts/bench_real.py's parts that make its figures: the GEMM shapes its
-floor times (they must be every multiply a token makes, no more), and the
-per-op profile's accounting (figures never asserted)."""
+floor times (they must be every multiply a token makes, no more), the
+per-op profile's accounting, and the logprob mismatch against transformers
+(figures never asserted)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rollout import SamplingParams
 from scripts import bench_real
@@ -93,3 +95,23 @@ def test_own_steps_floor_reads_the_steps_of_its_run(qwen2):
     assert own["steps"] == 6  # one prefill step that samples, then 5 decode steps
     assert own["gemm_seconds"] > 0 and own["tokens_per_s"] > 0 and own["full_batch_tokens_per_s"] > 0
     assert own["engine_fraction"] == pytest.approx(own["engine_tokens_per_s"] / own["tokens_per_s"])
+
+
+def test_logprob_mismatch_measures_the_engine_against_transformers(qwen2):
+    """The float32 engine agrees with transformers to float32 noise; a bfloat16 KV pool does
+    not, and the mismatch says by how much; a hand-perturbed reference shows as a wide gap."""
+    import copy
+
+    params = SamplingParams(n=2, max_tokens=12, seed=3, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    exact = bench_real.logprob_mismatch(make_engine(qwen2.path), qwen2.hf, prompts, params, samples=3)
+    assert exact["tokens"] == 3 * 12 and exact["max_abs"] < 1e-4
+    bf16 = bench_real.logprob_mismatch(
+        make_engine(qwen2.path, kv_cache_dtype="bfloat16"), qwen2.hf, prompts, params, samples=3
+    )
+    assert bf16["max_abs"] > 10 * exact["max_abs"] and bf16["mean_abs"] <= bf16["max_abs"]
+    shifted = copy.deepcopy(qwen2.hf)
+    with torch.no_grad():
+        shifted.lm_head.weight.mul_(2.0)  # doubles every logit: a different distribution
+    far = bench_real.logprob_mismatch(make_engine(qwen2.path), shifted, prompts, params, samples=3)
+    assert far["mean_abs"] > 1e-2

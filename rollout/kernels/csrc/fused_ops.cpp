@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include "kernels.h"
 #include "vec_math.h"
@@ -72,6 +73,46 @@ inline void silu_mul_row(const float* __restrict g, const float* __restrict u, f
   for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.f + vec_exp(-g[i])) * u[i];
 }
 
+// rope_and_cache_'s loop over checked inputs, for a pool of cache_t.
+template <typename cache_t>
+void rope_and_store(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* pos, const at::Tensor& cos,
+                    const at::Tensor& sin, cache_t* kc, cache_t* vc, const int64_t* slot) {
+  const int64_t tokens = q.size(0), hq = q.size(1), hkv = k.size(1), dim = q.size(2), half = dim / 2;
+  float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), slot_stride = hkv * dim;
+
+  auto rotate = [&](const float* x, const float* c, const float* s, auto* y) {
+    float rotated[1024];  // rope_and_cache_ checks head_dim <= 1024
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      rotated[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+      rotated[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+    }
+    for (int64_t i = 0; i < dim; ++i) y[i] = static_cast<std::remove_pointer_t<decltype(y)>>(rotated[i]);
+  };
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pos[t] * dim;
+      const float* s = sp + pos[t] * dim;
+      for (int64_t h = 0; h < hq; ++h) {
+        float* x = qp + t * qs0 + h * qs1;
+        rotate(x, c, s, x);
+      }
+      for (int64_t h = 0; h < hkv; ++h) {
+        rotate(kp + t * ks0 + h * ks1, c, s, kc + slot[t] * slot_stride + h * dim);
+        const float* src = vp + t * vs0 + h * vs1;
+        cache_t* dst = vc + slot[t] * slot_stride + h * dim;
+        for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<cache_t>(src[i]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 namespace rollout_cpu {
@@ -86,16 +127,21 @@ void add_rms_norm_(at::Tensor h, const at::Tensor& delta, const at::Tensor& weig
 }
 
 // Rotates q in place and writes rotated k and plain v to the KV pool at `slots`:
-// x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1].
+// x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1]. A bfloat16 pool
+// stores each value rounded to nearest even, as torch's conversion does.
 void rope_and_cache_(at::Tensor q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                      const at::Tensor& slots) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q must be [T, Hq, D], k and v [T, Hkv, D]");
-  const int64_t tokens = q.size(0), hq = q.size(1), hkv = k.size(1), dim = q.size(2), half = dim / 2;
+  const int64_t tokens = q.size(0), hkv = k.size(1), dim = q.size(2);
   TORCH_CHECK(k.size(0) == tokens && k.size(2) == dim && dim % 2 == 0, "k ", k.sizes(), " does not fit q ",
               q.sizes());
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin, &k_cache, &v_cache})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat, "rope_and_cache_ takes float32 CPU tensors");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
+              "k_cache and v_cache must be float32 or bfloat16 CPU tensors alike, got ", k_cache.scalar_type(),
+              " and ", v_cache.scalar_type());
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k and v must be contiguous in D");
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == dim && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
                   sin.is_contiguous(),
@@ -107,6 +153,7 @@ void rope_and_cache_(at::Tensor q, const at::Tensor& k, const at::Tensor& v, con
                   slots.dim() == 1 && positions.size(0) == tokens && slots.size(0) == tokens &&
                   positions.is_contiguous() && slots.is_contiguous(),
               "positions and slots must be contiguous int64 [", tokens, "]");
+  TORCH_CHECK(dim <= 1024, "head_dim must be at most 1024, got ", dim);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t num_positions = cos.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
@@ -116,42 +163,11 @@ void rope_and_cache_(at::Tensor q, const at::Tensor& k, const at::Tensor& v, con
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slots[", t, "] = ", slot[t], " is outside the pool (0..",
                 num_slots - 1, ")");
   }
-  float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), slot_stride = hkv * dim;
-
-  auto rotate = [&](const float* x, const float* c, const float* s, float* y) {
-    float rotated[1024];  // head_dim is checked below to be at most 1024
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      rotated[i] = x[i] * c[i] + (-x[i + half]) * s[i];
-      rotated[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
-    }
-    for (int64_t i = 0; i < dim; ++i) y[i] = rotated[i];
-  };
-  TORCH_CHECK(dim <= 1024, "head_dim must be at most 1024, got ", dim);
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + pos[t] * dim;
-      const float* s = sp + pos[t] * dim;
-      for (int64_t h = 0; h < hq; ++h) {
-        float* x = qp + t * qs0 + h * qs1;
-        rotate(x, c, s, x);
-      }
-      for (int64_t h = 0; h < hkv; ++h) {
-        rotate(kp + t * ks0 + h * ks1, c, s, kc + slot[t] * slot_stride + h * dim);
-        const float* src = vp + t * vs0 + h * vs1;
-        float* dst = vc + slot[t] * slot_stride + h * dim;
-        for (int64_t i = 0; i < dim; ++i) dst[i] = src[i];
-      }
-    }
-  });
+  if (k_cache.scalar_type() == at::kBFloat16) {
+    rope_and_store(q, k, v, pos, cos, sin, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), slot);
+  } else {
+    rope_and_store(q, k, v, pos, cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slot);
+  }
 }
 
 // out = silu(gate) * up for gate_up = [gate | up] along the last dimension.

@@ -135,8 +135,9 @@ inline void axpy(float p, const scalar_t* __restrict v, float* __restrict acc, i
   for (int64_t d = 0; d < len; ++d) acc[d] = madd(p, static_cast<float>(v[d]), acc[d]);
 }
 
-// The portable loop: any dtype (accumulating in float32) and head size.
-template <int64_t D, typename scalar_t>
+// The portable loop: any dtype (accumulating in float32) and head size; the cache may hold
+// bfloat16 under float32 queries.
+template <int64_t D, typename scalar_t, typename cache_t>
 void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, float scale,
                      int64_t window) {
@@ -144,10 +145,10 @@ void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int64_t head_dim = layout.head_dim, group = layout.group, block_q = layout.block_q;
   const int64_t q_row = q.stride(0), q_head = q.stride(1), out_row = out.stride(0), out_head = out.stride(1);
   const scalar_t* q_data = q.data_ptr<scalar_t>();
-  const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
+  const cache_t* k_data = k_cache.data_ptr<cache_t>();
+  const cache_t* v_data = v_cache.data_ptr<cache_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
-  const int64_t block_values = layout.block_heads * head_dim, line_values = 64 / sizeof(scalar_t);
+  const int64_t block_values = layout.block_heads * head_dim, line_values = 64 / sizeof(cache_t);
 
   for_each_item(layout, block_tables, context_lens, window, [&](int64_t row, int64_t head0, const int64_t* offsets,
                                                                 int64_t count, std::vector<float>& scratch) {
@@ -165,7 +166,7 @@ void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     // prefetched meanwhile for pass 2, so two streams are in flight: that hides part of the
     // DRAM latency when KV pages lie strided or scattered, as a busy pool leaves them.
     for (int64_t i = 0; i < count; ++i) {
-      const scalar_t* key = k_data + offsets[i];
+      const cache_t* key = k_data + offsets[i];
       for (int64_t o = 0; o < block_values; o += line_values) __builtin_prefetch(v_data + offsets[i] + o, 0, 2);
       for (int64_t j = 0; j < block_q; ++j)
         score[j * count + i] = dot<D>(query + j * head_dim, key + (j / group) * head_dim, head_dim);
@@ -175,7 +176,7 @@ void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     // Pass 2: the probability-weighted sum of values.
     std::fill(acc, acc + block_q * head_dim, 0.f);
     for (int64_t i = 0; i < count; ++i) {
-      const scalar_t* value = v_data + offsets[i];
+      const cache_t* value = v_data + offsets[i];
       for (int64_t j = 0; j < block_q; ++j)
         axpy<D>(score[j * count + i], value + (j / group) * head_dim, acc + j * head_dim, head_dim);
     }
@@ -187,6 +188,13 @@ void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 }
 
 #if defined(__AVX512F__)
+// Sixteen cache values as float32: bfloat16 is the high half of a float32's bits.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 // Lane i of the result is the sum of the sixteen lanes of v[i].
 inline __m512 transpose_sum16(const __m512* v) {
   __m512 pairs[8], quads[4];
@@ -204,27 +212,28 @@ inline __m512 transpose_sum16(const __m512* v) {
 }
 
 // One query head (DV vectors, already scaled) times one key row, summed lane by lane.
-template <int DV>
-inline __m512 dot_lanes(const __m512* query, const float* key) {
-  __m512 s = _mm512_mul_ps(query[0], _mm512_loadu_ps(key));
-  for (int d = 1; d < DV; ++d) s = _mm512_fmadd_ps(query[d], _mm512_loadu_ps(key + 16 * d), s);
+template <int DV, typename cache_t>
+inline __m512 dot_lanes(const __m512* query, const cache_t* key) {
+  __m512 s = _mm512_mul_ps(query[0], load16(key));
+  for (int d = 1; d < DV; ++d) s = _mm512_fmadd_ps(query[d], load16(key + 16 * d), s);
   return s;
 }
 
 // Pass 2 for `heads` (at most NH) query heads that share one KV head: their accumulators stay
 // in registers while the values stream past. probs holds each head's row of `count` probabilities.
-template <int DV, int NH>
-inline void weighted_values(int64_t heads, const float* values, const int64_t* offsets, int64_t count,
+template <int DV, int NH, typename cache_t>
+inline void weighted_values(int64_t heads, const cache_t* values, const int64_t* offsets, int64_t count,
                             const float* probs, const float* inv_sum, float* dst, int64_t dst_head) {
   if constexpr (NH > 1) {  // the accumulators are registers: their count is fixed at compile time
-    if (heads < NH) return weighted_values<DV, NH - 1>(heads, values, offsets, count, probs, inv_sum, dst, dst_head);
+    if (heads < NH)
+      return weighted_values<DV, NH - 1, cache_t>(heads, values, offsets, count, probs, inv_sum, dst, dst_head);
   }
   __m512 acc[NH][DV];
   for (int h = 0; h < NH; ++h)
     for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_setzero_ps();
   for (int64_t i = 0; i < count; ++i) {
     __m512 value[DV];
-    for (int d = 0; d < DV; ++d) value[d] = _mm512_loadu_ps(values + offsets[i] + 16 * d);
+    for (int d = 0; d < DV; ++d) value[d] = load16(values + offsets[i] + 16 * d);
     for (int h = 0; h < NH; ++h) {
       const __m512 p = _mm512_set1_ps(probs[h * count + i]);
       for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_fmadd_ps(p, value[d], acc[h][d]);
@@ -236,8 +245,8 @@ inline void weighted_values(int64_t heads, const float* values, const int64_t* o
   }
 }
 
-// The intrinsics loop: float32, head_dim D = 16 * DV.
-template <int64_t D>
+// The intrinsics loop: float32 queries, a float32 or bfloat16 cache, head_dim D = 16 * DV.
+template <int64_t D, typename cache_t>
 void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, float scale,
                    int64_t window) {
@@ -246,9 +255,10 @@ void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const int64_t group = layout.group, block_q = layout.block_q, block_values = layout.block_heads * D;
   const int64_t q_row = q.stride(0), q_head = q.stride(1), out_row = out.stride(0), out_head = out.stride(1);
   const float* q_data = q.data_ptr<float>();
-  const float* k_data = k_cache.data_ptr<float>();
-  const float* v_data = v_cache.data_ptr<float>();
+  const cache_t* k_data = k_cache.data_ptr<cache_t>();
+  const cache_t* v_data = v_cache.data_ptr<cache_t>();
   float* out_data = out.data_ptr<float>();
+  constexpr int64_t line_values = 64 / sizeof(cache_t);
 
   for_each_item(layout, block_tables, context_lens, window, [&](int64_t row, int64_t head0, const int64_t* offsets,
                                                                 int64_t count, std::vector<float>& scratch) {
@@ -262,14 +272,14 @@ void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       const float* src = q_data + row * q_row + (head0 * group + j) * q_head;
       __m512 query[DV];
       for (int d = 0; d < DV; ++d) query[d] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * d), scale_v);
-      const float* keys = k_data + (j / group) * D;
+      const cache_t* keys = k_data + (j / group) * D;
       float* scores = score + j * count;
       __m512 lanes[16];
       for (int64_t i = 0; i < count; i += 16) {
         const int64_t n = std::min<int64_t>(16, count - i);
         if (j == 0) {
           for (int64_t u = i; u < i + n; ++u)
-            for (int64_t o = 0; o < block_values; o += 16) {
+            for (int64_t o = 0; o < block_values; o += line_values) {
               __builtin_prefetch(k_data + offsets[u] + o, 0, 2);
               __builtin_prefetch(v_data + offsets[u] + o, 0, 2);
             }
@@ -291,7 +301,7 @@ void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     // and per-KV-head items.
     for (int64_t j = 0, heads = 0; j < block_q; j += heads) {
       heads = std::min<int64_t>(kMaxHeads, group - j % group);
-      const float* values = v_data + (j / group) * D;
+      const cache_t* values = v_data + (j / group) * D;
       float* dst = out_data + row * out_row + (head0 * group + j) * out_head;
       const float* probs = score + j * count;
       weighted_values<DV, kMaxHeads>(heads, values, offsets, count, probs, inv_sum + j, dst, out_head);
@@ -299,6 +309,13 @@ void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   });
 }
 #elif defined(__AVX2__) && defined(__FMA__)
+// Eight cache values as float32: bfloat16 is the high half of a float32's bits.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 // Lane i of the result is the sum of the eight lanes of v[i].
 inline __m256 transpose_sum8(const __m256* v) {
   __m256 pairs[4], quads[2];
@@ -314,16 +331,15 @@ inline __m256 transpose_sum8(const __m256* v) {
 
 // One query head (D floats, already scaled) times eight key rows, summed lane by lane. The
 // query is read 64 floats at a time: those 8 vectors and the 8 sums fill the 16 ymm registers.
-template <int D>
-inline void dot_lanes8(const float* query, const float* const* keys, __m256* lanes) {
+template <int D, typename cache_t>
+inline void dot_lanes8(const float* query, const cache_t* const* keys, __m256* lanes) {
   for (int c = 0; c < D; c += 64) {
     __m256 q[8];
     for (int d = 0; d < 8; ++d) q[d] = _mm256_loadu_ps(query + c + 8 * d);
     for (int u = 0; u < 8; ++u) {
-      const float* key = keys[u] + c;
-      __m256 s = c == 0 ? _mm256_mul_ps(q[0], _mm256_loadu_ps(key))
-                        : _mm256_fmadd_ps(q[0], _mm256_loadu_ps(key), lanes[u]);
-      for (int d = 1; d < 8; ++d) s = _mm256_fmadd_ps(q[d], _mm256_loadu_ps(key + 8 * d), s);
+      const cache_t* key = keys[u] + c;
+      __m256 s = c == 0 ? _mm256_mul_ps(q[0], load8(key)) : _mm256_fmadd_ps(q[0], load8(key), lanes[u]);
+      for (int d = 1; d < 8; ++d) s = _mm256_fmadd_ps(q[d], load8(key + 8 * d), s);
       lanes[u] = s;
     }
   }
@@ -332,18 +348,19 @@ inline void dot_lanes8(const float* query, const float* const* keys, __m256* lan
 // Pass 2 for `heads` (at most NH) query heads that share one KV head, over DV vectors of their
 // columns: the accumulators stay in registers while the values stream past. probs holds each
 // head's row of `count` probabilities.
-template <int DV, int NH>
-inline void weighted_values8(int64_t heads, const float* values, const int64_t* offsets, int64_t count,
+template <int DV, int NH, typename cache_t>
+inline void weighted_values8(int64_t heads, const cache_t* values, const int64_t* offsets, int64_t count,
                              const float* probs, const float* inv_sum, float* dst, int64_t dst_head) {
   if constexpr (NH > 1) {  // the accumulators are registers: their count is fixed at compile time
-    if (heads < NH) return weighted_values8<DV, NH - 1>(heads, values, offsets, count, probs, inv_sum, dst, dst_head);
+    if (heads < NH)
+      return weighted_values8<DV, NH - 1, cache_t>(heads, values, offsets, count, probs, inv_sum, dst, dst_head);
   }
   __m256 acc[NH][DV];
   for (int h = 0; h < NH; ++h)
     for (int d = 0; d < DV; ++d) acc[h][d] = _mm256_setzero_ps();
   for (int64_t i = 0; i < count; ++i) {
     __m256 value[DV];
-    for (int d = 0; d < DV; ++d) value[d] = _mm256_loadu_ps(values + offsets[i] + 8 * d);
+    for (int d = 0; d < DV; ++d) value[d] = load8(values + offsets[i] + 8 * d);
     for (int h = 0; h < NH; ++h) {
       const __m256 p = _mm256_broadcast_ss(probs + h * count + i);
       for (int d = 0; d < DV; ++d) acc[h][d] = _mm256_fmadd_ps(p, value[d], acc[h][d]);
@@ -355,8 +372,9 @@ inline void weighted_values8(int64_t heads, const float* values, const int64_t* 
   }
 }
 
-// The AVX2 loop, for builds without AVX-512: float32, head_dim D of 64 or 128.
-template <int64_t D>
+// The AVX2 loop, for builds without AVX-512: float32 queries, a float32 or bfloat16 cache,
+// head_dim D of 64 or 128.
+template <int64_t D, typename cache_t>
 void decode_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, float scale,
                  int64_t window) {
@@ -369,9 +387,10 @@ void decode_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t group = layout.group, block_q = layout.block_q, block_values = layout.block_heads * D;
   const int64_t q_row = q.stride(0), q_head = q.stride(1), out_row = out.stride(0), out_head = out.stride(1);
   const float* q_data = q.data_ptr<float>();
-  const float* k_data = k_cache.data_ptr<float>();
-  const float* v_data = v_cache.data_ptr<float>();
+  const cache_t* k_data = k_cache.data_ptr<cache_t>();
+  const cache_t* v_data = v_cache.data_ptr<cache_t>();
   float* out_data = out.data_ptr<float>();
+  constexpr int64_t line_values = 64 / sizeof(cache_t);
 
   for_each_item(layout, block_tables, context_lens, window, [&](int64_t row, int64_t head0, const int64_t* offsets,
                                                                 int64_t count, std::vector<float>& scratch) {
@@ -389,18 +408,18 @@ void decode_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       const float* src = q_data + row * q_row + (head0 * group + j) * q_head;
       alignas(32) float query[D];
       for (int d = 0; d < D; d += 8) _mm256_store_ps(query + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), scale_v));
-      const float* keys = k_data + (j / group) * D;
+      const cache_t* keys = k_data + (j / group) * D;
       float* scores = score + j * count;
       for (int64_t i = 0; i < count; i += 8) {
         const int64_t n = std::min<int64_t>(8, count - i);
         if (j == 0) {
           for (int64_t u = i; u < i + n; ++u)
-            for (int64_t o = 0; o < block_values; o += 16) {
+            for (int64_t o = 0; o < block_values; o += line_values) {
               __builtin_prefetch(k_data + offsets[u] + o, 0, 2);
-              static_cast<void>(*static_cast<const volatile float*>(v_data + offsets[u] + o));
+              static_cast<void>(*reinterpret_cast<const volatile char*>(v_data + offsets[u] + o));
             }
         }
-        const float* key[8];  // a short last block repeats its last token, whose sums are not stored
+        const cache_t* key[8];  // a short last block repeats its last token, whose sums are not stored
         for (int u = 0; u < 8; ++u) key[u] = keys + offsets[i + std::min<int64_t>(u, n - 1)];
         __m256 lanes[8];
         dot_lanes8<D>(query, key, lanes);
@@ -416,7 +435,7 @@ void decode_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     // crosses into the next KV head's query heads), each chunk 16 columns at a time.
     for (int64_t j = 0, heads = 0; j < block_q; j += heads) {
       heads = std::min<int64_t>(kMaxHeads, group - j % group);
-      const float* values = v_data + (j / group) * D;
+      const cache_t* values = v_data + (j / group) * D;
       float* dst = out_data + row * out_row + (head0 * group + j) * out_head;
       const float* probs = score + j * count;
       for (int64_t c = 0; c < D; c += 8 * DV)
@@ -426,7 +445,7 @@ void decode_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 }
 #endif
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void decode_any_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, float scale,
                     int64_t window) {
@@ -434,28 +453,31 @@ void decode_any_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   if constexpr (std::is_same_v<scalar_t, float>) {
     switch (q.size(2)) {
       case 64:
-        return decode_avx512<64>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
+        return decode_avx512<64, cache_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
       case 128:
-        return decode_avx512<128>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
+        return decode_avx512<128, cache_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
     }
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<scalar_t, float>) {
     switch (q.size(2)) {
       case 64:
-        return decode_avx2<64>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
+        return decode_avx2<64, cache_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
       case 128:
-        return decode_avx2<128>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
+        return decode_avx2<128, cache_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
     }
   }
 #endif
   switch (q.size(2)) {
     case 64:
-      return decode_portable<64, scalar_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
+      return decode_portable<64, scalar_t, cache_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale,
+                                                    window);
     case 128:
-      return decode_portable<128, scalar_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
+      return decode_portable<128, scalar_t, cache_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale,
+                                                     window);
     default:
-      return decode_portable<0, scalar_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale, window);
+      return decode_portable<0, scalar_t, cache_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale,
+                                                   window);
   }
 }
 
@@ -468,9 +490,13 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache ", v_cache.sizes(), " must match k_cache ",
               k_cache.sizes());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(),
-              "q, k_cache, v_cache and out must share one dtype");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == q.scalar_type() ||
+                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "q and out must share one dtype, and k_cache and v_cache either that dtype or bfloat16 under float32 "
+              "queries; got q ",
+              q.scalar_type(), ", out ", out.scalar_type(), ", k_cache ", k_cache.scalar_type(), ", v_cache ",
+              v_cache.scalar_type());
   TORCH_CHECK(out.sizes() == q.sizes(), "out ", out.sizes(), " must match q ", q.sizes());
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out must be contiguous in head_dim");
   TORCH_CHECK(k_cache.size(1) > 0 && k_cache.size(2) > 0 && k_cache.size(3) > 0,
@@ -508,11 +534,14 @@ void rollout_cpu::paged_decode(const at::Tensor& q, const at::Tensor& k_cache, c
   const float s = static_cast<float>(scale);
   switch (q.scalar_type()) {
     case at::kFloat:
-      return decode_any_dim<float>(q, k_cache, v_cache, block_tables, context_lens, out, s, window);
+      if (k_cache.scalar_type() == at::kBFloat16)
+        return decode_any_dim<float, at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, s, window);
+      return decode_any_dim<float, float>(q, k_cache, v_cache, block_tables, context_lens, out, s, window);
     case at::kBFloat16:
-      return decode_any_dim<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, s, window);
+      return decode_any_dim<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, s,
+                                                        window);
     case at::kHalf:
-      return decode_any_dim<at::Half>(q, k_cache, v_cache, block_tables, context_lens, out, s, window);
+      return decode_any_dim<at::Half, at::Half>(q, k_cache, v_cache, block_tables, context_lens, out, s, window);
     default:
       TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, got ", q.scalar_type());
   }
