@@ -19,7 +19,10 @@
 // first query head's pass prefetches the item's whole key and value records,
 // so the later heads and pass 2 read from cache while an item's records fit
 // in it (with 4 KV heads of 64 floats, 1 KB of keys and 1 KB of values per
-// token: a few hundred tokens in a 1 MB L2). AVX2 builds without AVX-512 (Zen 3,
+// token: a few hundred tokens in a 1 MB L2); and every block of pass 1 also
+// prefetches a few tokens of the thread's next item (its first kLeadBytes), so
+// DRAM streams the next sequence while this one computes. With the KV in DRAM
+// that made the loop 20-40% faster on Zen 4 (docs/benchmarks.md). AVX2 builds without AVX-512 (Zen 3,
 // say) take the same loop in 256-bit registers: eight tokens per reduction,
 // pass 2 a cache line of each value row at a time (16 registers hold no more
 // accumulators), and the first query head loads the value records instead of
@@ -71,9 +74,16 @@ struct Layout {
         block_q(block_heads * group) {}
 };
 
-// Runs `item(row, head0, offsets, count, scratch)` for every work item, split across threads:
-// its row, its first KV head, and for each of its `count` tokens the offset of that token's
-// first key of the item in the key cache (the value cache shares the layout). `scratch` is
+// A work item's tokens: for each of `count`, the offset of that token's first key of the item
+// in the key cache (the value cache shares the layout).
+struct Tokens {
+  const int64_t* offsets;
+  int64_t count;
+};
+
+// Runs `item(row, head0, tokens, next, scratch)` for every work item, split across threads: its
+// row, its first KV head, its tokens, and the tokens of the item the same thread runs next
+// (count 0 after its last), which a loop may prefetch while it computes this one. `scratch` is
 // the thread's to reuse.
 template <typename Item>
 void for_each_item(const Layout& layout, const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -81,21 +91,29 @@ void for_each_item(const Layout& layout, const at::Tensor& block_tables, const a
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t table_row = block_tables.stride(0);
+  const auto fill = [&](int64_t index, std::vector<int64_t>& offsets) {
+    const int64_t row = index / layout.head_blocks, head0 = (index % layout.head_blocks) * layout.block_heads;
+    const int64_t len = lens[row], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t* table = tables + row * table_row;
+    offsets.resize(len - first);
+    for (int64_t t = first; t < len;) {
+      const int64_t page = t / layout.page_size, stop = std::min(len, (page + 1) * layout.page_size);
+      int64_t offset = table[page] * layout.page_stride + (t - page * layout.page_size) * layout.token_stride +
+                       head0 * layout.head_dim;
+      for (; t < stop; ++t, offset += layout.token_stride) offsets[t - first] = offset;
+    }
+  };
   at::parallel_for(0, layout.rows * layout.head_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> offsets;
+    std::vector<int64_t> offsets, next;
     std::vector<float> scratch;
+    fill(begin, next);
     for (int64_t index = begin; index < end; ++index) {
-      const int64_t row = index / layout.head_blocks, head0 = (index % layout.head_blocks) * layout.block_heads;
-      const int64_t len = lens[row], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t* table = tables + row * table_row;
-      offsets.resize(len - first);
-      for (int64_t t = first; t < len;) {
-        const int64_t page = t / layout.page_size, stop = std::min(len, (page + 1) * layout.page_size);
-        int64_t offset = table[page] * layout.page_stride + (t - page * layout.page_size) * layout.token_stride +
-                         head0 * layout.head_dim;
-        for (; t < stop; ++t, offset += layout.token_stride) offsets[t - first] = offset;
-      }
-      item(row, head0, offsets.data(), len - first, scratch);
+      offsets.swap(next);
+      if (index + 1 < end) fill(index + 1, next);
+      else next.clear();
+      item(index / layout.head_blocks, (index % layout.head_blocks) * layout.block_heads,
+           Tokens{offsets.data(), static_cast<int64_t>(offsets.size())},
+           Tokens{next.data(), static_cast<int64_t>(next.size())}, scratch);
     }
   });
 }
@@ -150,8 +168,10 @@ void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   scalar_t* out_data = out.data_ptr<scalar_t>();
   const int64_t block_values = layout.block_heads * head_dim, line_values = 64 / sizeof(cache_t);
 
-  for_each_item(layout, block_tables, context_lens, window, [&](int64_t row, int64_t head0, const int64_t* offsets,
-                                                                int64_t count, std::vector<float>& scratch) {
+  for_each_item(layout, block_tables, context_lens, window, [&](int64_t row, int64_t head0, Tokens tokens, Tokens,
+                                                                std::vector<float>& scratch) {
+    const int64_t* offsets = tokens.offsets;
+    const int64_t count = tokens.count;
     scratch.resize(block_q * (2 * head_dim + 1 + count));
     float* query = scratch.data();
     float* acc = query + block_q * head_dim;
@@ -245,6 +265,9 @@ inline void weighted_values(int64_t heads, const cache_t* values, const int64_t*
   }
 }
 
+// How many bytes of the next item's keys and values an item prefetches while it computes.
+constexpr int64_t kLeadBytes = 256 * 1024;
+
 // The intrinsics loop: float32 queries, a float32 or bfloat16 cache, head_dim D = 16 * DV.
 template <int64_t D, typename cache_t>
 void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -260,11 +283,18 @@ void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   float* out_data = out.data_ptr<float>();
   constexpr int64_t line_values = 64 / sizeof(cache_t);
 
-  for_each_item(layout, block_tables, context_lens, window, [&](int64_t row, int64_t head0, const int64_t* offsets,
-                                                                int64_t count, std::vector<float>& scratch) {
+  for_each_item(layout, block_tables, context_lens, window, [&](int64_t row, int64_t head0, Tokens tokens, Tokens next,
+                                                                std::vector<float>& scratch) {
+    const int64_t* offsets = tokens.offsets;
+    const int64_t count = tokens.count;
     scratch.resize(block_q * (1 + count));
     float* inv_sum = scratch.data();
     float* score = inv_sum + block_q;
+
+    // The next item's leading tokens, prefetched a few per block of pass 1 (see kLeadBytes).
+    const int64_t lead = std::min<int64_t>(next.count, kLeadBytes / (2 * block_values * sizeof(cache_t)));
+    const int64_t blocks = block_q * ((count + 15) / 16), per_block = (lead + blocks - 1) / blocks;
+    int64_t fetched = 0;
 
     // Pass 1, one query head at a time; the first prefetches the item's key and value records.
     const __m512 scale_v = _mm512_set1_ps(scale);
@@ -284,6 +314,11 @@ void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
               __builtin_prefetch(v_data + offsets[u] + o, 0, 2);
             }
         }
+        for (const int64_t stop = std::min(lead, fetched + per_block); fetched < stop; ++fetched)
+          for (int64_t o = 0; o < block_values; o += line_values) {
+            __builtin_prefetch(k_data + next.offsets[fetched] + o, 0, 2);
+            __builtin_prefetch(v_data + next.offsets[fetched] + o, 0, 2);
+          }
         if (n == 16) {
           for (int u = 0; u < 16; ++u) lanes[u] = dot_lanes<DV>(query, keys + offsets[i + u]);
           _mm512_storeu_ps(scores + i, transpose_sum16(lanes));
@@ -373,7 +408,8 @@ inline void weighted_values8(int64_t heads, const cache_t* values, const int64_t
 }
 
 // The AVX2 loop, for builds without AVX-512: float32 queries, a float32 or bfloat16 cache,
-// head_dim D of 64 or 128.
+// head_dim D of 64 or 128. It does not prefetch the next item as the AVX-512 loop does: that
+// is not measured yet on an AVX2 host, whose L2 (512 KB on Zen 3) holds half as much.
 template <int64_t D, typename cache_t>
 void decode_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, float scale,
@@ -392,8 +428,10 @@ void decode_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   float* out_data = out.data_ptr<float>();
   constexpr int64_t line_values = 64 / sizeof(cache_t);
 
-  for_each_item(layout, block_tables, context_lens, window, [&](int64_t row, int64_t head0, const int64_t* offsets,
-                                                                int64_t count, std::vector<float>& scratch) {
+  for_each_item(layout, block_tables, context_lens, window, [&](int64_t row, int64_t head0, Tokens tokens, Tokens,
+                                                                std::vector<float>& scratch) {
+    const int64_t* offsets = tokens.offsets;
+    const int64_t count = tokens.count;
     scratch.resize(block_q * (1 + count));
     float* inv_sum = scratch.data();
     float* score = inv_sum + block_q;
