@@ -21,9 +21,9 @@
 // in it (with 4 KV heads of 64 floats, 1 KB of keys and 1 KB of values per
 // token: a few hundred tokens in a 1 MB L2); and every block of pass 1 also
 // prefetches a few tokens of the thread's next item (its first kLeadBytes), so
-// DRAM streams the next sequence while this one computes. With the KV in DRAM
-// that made the loop 20-40% faster on Zen 4 (docs/benchmarks.md). AVX2 builds without AVX-512 (Zen 3,
-// say) take the same loop in 256-bit registers: eight tokens per reduction,
+// DRAM streams the next sequence while this one computes (measured with
+// scripts/bench_attention.py; figures in docs/benchmarks.md). AVX2 builds
+// without AVX-512 (Zen 3, say) take the same loop in 256-bit registers: eight tokens per reduction,
 // pass 2 a cache line of each value row at a time (16 registers hold no more
 // accumulators), and the first query head loads the value records instead of
 // prefetching them (see decode_avx2).
