@@ -88,6 +88,7 @@ def generate(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        matmul_dtype=args.matmul_dtype,
     )
     texts = [p if isinstance(p, str) else None for p in prompts]
     if any(texts) and engine.tokenizer is None:
@@ -129,6 +130,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default=None, help="the KV pool's dtype (default: --dtype; bfloat16 halves it)")
+    p.add_argument("--matmul-dtype", default=None, help="the projections' GEMM dtype (default: --dtype; or bfloat16)")
 
 
 def _serve_parser(sub) -> None:

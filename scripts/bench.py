@@ -222,12 +222,16 @@ def run(args) -> dict:
         engine, lambda: bench_real.time_engine(engine, prompts, params), BENCH_25M, PROMPTS * N
     )
     if hf is not None:
-        bf16_kv = Engine(tmp, **ENGINE_SIZES, kv_cache_dtype="bfloat16")
+        narrow = {
+            "kv_cache_dtype='bfloat16'": Engine(tmp, **ENGINE_SIZES, kv_cache_dtype="bfloat16"),
+            "matmul_dtype='bfloat16'": Engine(tmp, **ENGINE_SIZES, matmul_dtype="bfloat16"),
+        }
         results["logprob_mismatch"] = {
             label: bench_real.logprob_mismatch(e, hf, prompts, params)
-            for label, e in (("engine", engine), ("kv_cache_dtype='bfloat16'", bf16_kv))
+            for label, e in {"engine": engine, **narrow}.items()
         }
-        bf16_kv.close()
+        for e in narrow.values():
+            e.close()
     results.update(single_runs(engine, hf))
     if args.profile:
         results["profile"] = bench_real.profile(engine, prompts, params, BENCH_25M)
@@ -236,13 +240,16 @@ def run(args) -> dict:
 
 def rollout_sides(path: Path, engine: Engine, hf) -> dict:
     """The timed sides of the rollout rows, each a call returning (tokens, seconds):
-    the engine, the engine with a bfloat16 KV pool, the engine on torch ops only
-    (when it runs compiled kernels), and transformers (unless `hf` is None)."""
+    the engine, the engine with a bfloat16 KV pool, with bfloat16 projections,
+    on torch ops only (when it runs compiled kernels), and transformers (unless
+    `hf` is None)."""
     prompts, params = workload_prompts(PROMPTS, PROMPT_LEN), rollout_params()
     bf16_kv = Engine(path, **ENGINE_SIZES, kv_cache_dtype="bfloat16")
+    bf16_mm = Engine(path, **ENGINE_SIZES, matmul_dtype="bfloat16")
     sides = {
         "engine": lambda: time_engine(engine, prompts, params),
         "engine_kv_bf16": lambda: time_engine(bf16_kv, prompts, params),
+        "engine_matmul_bf16": lambda: time_engine(bf16_mm, prompts, params),
     }
     if engine.config.kernels != "torch":
         plain = Engine(path, **ENGINE_SIZES, kernels="torch")
@@ -268,7 +275,10 @@ def timed_rounds(sides: dict, repeats: int) -> tuple[dict[str, list[tuple[int, f
     for _ in range(repeats):
         for name, timed in sides.items():
             runs[name].append(timed())
-        round_rates.append({**best_gemm_rate(), "shapes": bench_real.gemm_floor(BENCH_25M, PROMPTS * N)})
+        shapes = bench_real.gemm_floor(BENCH_25M, PROMPTS * N)
+        round_rates.append(
+            {**best_gemm_rate(), "shapes": shapes, "bf16": bench_real.bf16_floor(BENCH_25M, PROMPTS * N)}
+        )
     return runs, round_rates
 
 
@@ -277,7 +287,9 @@ def summarize(runs: dict[str, list[tuple[int, float]]], round_rates: list[dict[s
     tokens = statistics.mean(t for t, _ in runs["engine"])
     flops = flops_per_token(int(PROMPT_LEN + tokens / (PROMPTS * N) / 2))
     floors = [rates["shapes"]["flops_per_s"] / flops for rates in round_rates]
-    rates = {key: statistics.median(r[key] for r in round_rates) for key in round_rates[0] if key != "shapes"}
+    rates = {
+        key: statistics.median(r[key] for r in round_rates) for key in round_rates[0] if key not in ("shapes", "bf16")
+    }
     shapes = sorted((r["shapes"] for r in round_rates), key=lambda f: f["flops_per_s"])[len(round_rates) // 2]
     results: dict = {
         "floor": {
@@ -297,6 +309,15 @@ def summarize(runs: dict[str, list[tuple[int, float]]], round_rates: list[dict[s
             "fraction_of_floor": statistics.median(fractions),
             "runs_fraction_of_floor": fractions,
         }
+    narrow = [r["bf16"]["flops_per_s"] / flops for r in round_rates]
+    per_s = results["engine_matmul_bf16"]["runs_tokens_per_s"]
+    results["bf16_floor"] = {
+        **sorted((r["bf16"] for r in round_rates), key=lambda f: f["flops_per_s"])[len(round_rates) // 2],
+        "tokens_per_s": statistics.median(narrow),
+    }
+    results["engine_matmul_bf16"]["fraction_of_bf16_floor"] = statistics.median(
+        r / f for r, f in zip(per_s, narrow, strict=True)
+    )
     if "transformers" in runs:
         engine, hf = results["engine"], results["transformers"]
         results["speedup_vs_transformers"] = engine["tokens_per_s"] / hf["tokens_per_s"]
@@ -388,12 +409,16 @@ def print_table(r: dict) -> None:
     if "engine_torch_ops" in r:
         torch_ops = r["engine_torch_ops"]["tokens_per_s"]
         rows.insert(1, ("  with kernels='torch'", torch_ops, hf and hf["tokens_per_s"]))
-    bf16 = r["engine_kv_bf16"]
-    rows.insert(1, ("  with kv_cache_dtype='bfloat16'", bf16["tokens_per_s"], hf and hf["tokens_per_s"]))
-    rows.insert(-2, ("  with kv_cache_dtype='bfloat16'", bf16["fraction_of_floor"], hf and hf["fraction_of_floor"]))
+    for label, side in (
+        ("  with matmul_dtype='bfloat16'", "engine_matmul_bf16"),
+        ("  with kv_cache_dtype='bfloat16'", "engine_kv_bf16"),
+    ):
+        rows.insert(1, (label, r[side]["tokens_per_s"], hf and hf["tokens_per_s"]))
+        rows.insert(-2, (label, r[side]["fraction_of_floor"], hf and hf["fraction_of_floor"]))
     for name, ours, theirs in rows:
         ratio = f"{ours / theirs:8.2f}" if theirs else ""
         print(f"{name:34}{ours:12.2f}{(theirs or float('nan')):14.2f}{ratio}")
+    bench_real.print_bf16_floor(r)
     bench_real.print_mismatch(r.get("logprob_mismatch", {}))
     for filters, ms in r.get("sampler_ms_64x151936", {}).items():
         print(

@@ -37,7 +37,7 @@ import torch
 
 from rollout import Engine, SamplingParams
 from rollout.engine.requests import PromptLimits, prompt_token_ids
-from rollout.model.linear import onednn_linear
+from rollout.model.linear import onednn_bf16, onednn_linear
 from scripts.presets import preset
 
 SMOLLM2 = preset("smollm2-135m")
@@ -104,15 +104,21 @@ def _seconds_per_call(fn, seconds: float) -> float:
     return (time.perf_counter() - start) / count
 
 
-def gemm_floor(config: dict, rows: int, seconds: float = 0.4, names=None) -> dict:
+# The shapes `matmul_dtype="bfloat16"` multiplies in bfloat16 (the LM head stays float32).
+LAYER_PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+
+
+def gemm_floor(config: dict, rows: int, seconds: float = 0.4, names=None, narrow=()) -> dict:
     """Per projection shape at `rows` rows (those in `names`, default all): the
     best seconds per call of BLAS, oneDNN and packed oneDNN, its GFLOP/s and
-    backend; and the model's GEMM seconds per step and effective FLOP/s over them."""
+    backend; and the model's GEMM seconds per step and effective FLOP/s over them.
+    Shapes in `narrow` are timed with bfloat16 inputs and weights."""
     shapes, out = projection_shapes(config), {}
     shapes = {k: v for k, v in shapes.items() if names is None or k in names}
     total_s = total_flops = 0.0
     for name, (n_out, n_in, count) in shapes.items():
-        x, w = torch.randn(rows, n_in), torch.randn(n_out, n_in)
+        dtype = torch.bfloat16 if name in narrow else torch.float32
+        x, w = torch.randn(rows, n_in).to(dtype), torch.randn(n_out, n_in).to(dtype)
         times = {b: _seconds_per_call(lambda: fn(x, wb), seconds) for b, (fn, wb) in _backends(w).items()}  # noqa: B023
         best = min(times, key=times.get)
         flops = 2 * rows * n_out * n_in
@@ -194,6 +200,8 @@ def _bounds(rows: int) -> tuple[int, int]:
 def _backends(w: torch.Tensor) -> dict:
     """(linear, weight) of each GEMM backend here: torch's BLAS, oneDNN, oneDNN on a packed weight."""
     backends = {"blas": (torch.nn.functional.linear, w)}
+    if w.dtype == torch.bfloat16 and not onednn_bf16():
+        return backends
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         backends |= {"onednn": (onednn_linear, w), "onednn_packed": (onednn_linear, packed)}
@@ -227,6 +235,12 @@ def time_hf_chat(model, prompts: list[list[int]], eos: list[int], params: Sampli
         stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
         tokens += stop
     return tokens, seconds
+
+
+def bf16_floor(config: dict, rows: int) -> dict:
+    """`gemm_floor` with the layer projections in bfloat16, as `matmul_dtype="bfloat16"`
+    multiplies them (on torch's BLAS alone where oneDNN has no bfloat16 GEMM here)."""
+    return gemm_floor(config, rows, narrow=LAYER_PROJECTIONS)
 
 
 def logprob_mismatch(engine: Engine, hf, prompts, params: SamplingParams, samples: int = 16) -> dict:
@@ -280,27 +294,31 @@ def run(repeats: int, skip_hf: bool, real: bool | None = None) -> dict:
         hf = AutoModelForCausalLM.from_pretrained(workload.path, dtype=torch.float32).eval()
     eos = workload.eos(engine)
     bf16_kv = Engine(workload.path, device="cpu", kv_cache_dtype="bfloat16")
+    bf16_mm = Engine(workload.path, device="cpu", matmul_dtype="bfloat16")
     sides = {
         "engine": lambda: time_engine(engine, prompts, workload.params)[:2],
         "engine_kv_bf16": lambda: time_engine(bf16_kv, prompts, workload.params)[:2],
+        "engine_matmul_bf16": lambda: time_engine(bf16_mm, prompts, workload.params)[:2],
     }
     if hf is not None:
         sides["transformers"] = lambda: time_hf_chat(hf, prompts, eos, workload.params)
     for timed in sides.values():  # first-touch allocations, packing, kernel builds
         timed()
     runs: dict[str, list[tuple[int, float]]] = {name: [] for name in sides}
-    floors = []
+    floors, narrow_floors = [], []
     rows = len(prompts) * N
     for _ in range(repeats):
         for name, timed in sides.items():
             runs[name].append(timed())
         floors.append(gemm_floor(SMOLLM2, rows))
+        narrow_floors.append(bf16_floor(SMOLLM2, rows))
     middle = sorted(floors, key=lambda f: f["flops_per_s"])[len(floors) // 2]
     own = own_steps_floor(engine, lambda: time_engine(engine, prompts, workload.params), SMOLLM2, rows)
     context = own["mean_context"]
     per_token = 2 * sum(o * i * c for o, i, c in projection_shapes(SMOLLM2).values())
     per_token += attention_flops(SMOLLM2, context)
     floor_rates = [f["flops_per_s"] / per_token for f in floors]
+    narrow_rates = [f["flops_per_s"] / per_token for f in narrow_floors]
     results: dict = {
         "model": workload.name,
         "path_is_real_model": workload.real,
@@ -320,13 +338,26 @@ def run(repeats: int, skip_hf: bool, real: bool | None = None) -> dict:
             "fraction_of_floor": statistics.median(r / f for r, f in zip(per_s, floor_rates, strict=True)),
             "tokens": measured[0][0],
         }
+    per_s = results["engine_matmul_bf16"]["runs_tokens_per_s"]
+    results["bf16_floor"] = {
+        **sorted(narrow_floors, key=lambda f: f["flops_per_s"])[len(narrow_floors) // 2],
+        "tokens_per_s": statistics.median(narrow_rates),
+    }
+    results["engine_matmul_bf16"]["fraction_of_bf16_floor"] = statistics.median(
+        r / f for r, f in zip(per_s, narrow_rates, strict=True)
+    )
     if hf is not None:
         results["speedup_vs_transformers"] = results["engine"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
         results["logprob_mismatch"] = {
             label: logprob_mismatch(e, hf, prompts, workload.params)
-            for label, e in (("engine", engine), ("kv_cache_dtype='bfloat16'", bf16_kv))
+            for label, e in (
+                ("engine", engine),
+                ("kv_cache_dtype='bfloat16'", bf16_kv),
+                ("matmul_dtype='bfloat16'", bf16_mm),
+            )
         }
     bf16_kv.close()
+    bf16_mm.close()
     results["profile"] = profile(engine, prompts, workload.params)
     from scripts.bench import startup_run  # deferred: scripts.bench imports this module
 
@@ -403,6 +434,18 @@ def print_profile(title: str, prof: dict) -> None:
         print(f"  {name:36}{row['seconds']:8.2f} s{100 * row['share']:7.1f}%  {rate}")
 
 
+def print_bf16_floor(r: dict) -> None:
+    """The floor with the layer projections at oneDNN's bfloat16 rate, and the
+    `matmul_dtype="bfloat16"` engine against it."""
+    floor = r["bf16_floor"]
+    shapes = ", ".join(f"{k} {v['gflops']:.0f}" for k, v in floor["shapes"].items())
+    print(
+        f"bfloat16 floor {floor['tokens_per_s']:.0f} tok/s (layer projections in bfloat16, the LM head float32: "
+        f"{shapes} GFLOP/s); matmul_dtype='bfloat16' reaches "
+        f"{r['engine_matmul_bf16']['fraction_of_bf16_floor']:.2f} of it"
+    )
+
+
 def print_own_steps_floor(own: dict) -> None:
     print(
         f"floor at the engine's own {own['steps']} steps: {own['tokens_per_s']:.0f} tok/s "
@@ -430,18 +473,25 @@ def print_table(r: dict) -> None:
     for label, side, key in (
         ("rollout tokens/s", "engine", "tokens_per_s"),
         ("  with kv_cache_dtype='bfloat16'", "engine_kv_bf16", "tokens_per_s"),
+        ("  with matmul_dtype='bfloat16'", "engine_matmul_bf16", "tokens_per_s"),
         ("fraction of floor", "engine", "fraction_of_floor"),
         ("  with kv_cache_dtype='bfloat16'", "engine_kv_bf16", "fraction_of_floor"),
+        ("  with matmul_dtype='bfloat16'", "engine_matmul_bf16", "fraction_of_floor"),
     ):
         ours, theirs = r[side][key], hf and hf[key]
         ratio = f"{ours / theirs:8.2f}" if theirs else ""
         print(f"{label:34}{ours:12.2f}{(theirs or float('nan')):14.2f}{ratio}")
+    print_bf16_floor(r)
     print_mismatch(r.get("logprob_mismatch", {}))
     print_own_steps_floor(r["own_steps_floor"])
     runs = ", ".join(f"{x:.0f}" for x in r["engine"]["runs_tokens_per_s"])
     bf16_runs = ", ".join(f"{x:.0f}" for x in r["engine_kv_bf16"]["runs_tokens_per_s"])
+    mm_runs = ", ".join(f"{x:.0f}" for x in r["engine_matmul_bf16"]["runs_tokens_per_s"])
     hf_runs = ", ".join(f"{x:.0f}" for x in hf["runs_tokens_per_s"]) if hf else "-"
-    print(f"per round: engine {runs} tok/s; with a bfloat16 KV pool {bf16_runs}; transformers {hf_runs} tok/s")
+    print(
+        f"per round: engine {runs} tok/s; with a bfloat16 KV pool {bf16_runs}; with bfloat16 projections {mm_runs}; "
+        f"transformers {hf_runs} tok/s"
+    )
     s = r["startup"]
     print(
         f"start-up {s['total_s']:.2f} s (import {s['import_s']:.2f}, Engine() {s['engine_s']:.2f}, first 4 tokens "

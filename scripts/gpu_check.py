@@ -1,8 +1,9 @@
 """Every GPU check in one call: bf16 parity against transformers on the GPU,
-CUDA graphs against the eager path, `bench-25m` against transformers
-`generate()`, and a Qwen2.5-0.5B-shaped bf16 model at batch 64 and 256
-against transformers and against the floor of a decode step. Prints a table
-and writes JSON.
+CUDA graphs against the eager path, a float32 model's bf16 KV pool against
+transformers float32, `bench-25m` against transformers `generate()`, and a
+Qwen2.5-0.5B-shaped bf16 model at batch 64 and 256 against transformers,
+against the floor of a decode step and against itself without decode graphs.
+Prints a table and writes JSON.
 
     python -m scripts.gpu_check [--out runs/gpu_check.json]
     python -m scripts.gpu_check --smoke   # tiny sizes on the CPU: checks the script, not a GPU
@@ -70,16 +71,7 @@ def parity(root: Path, device: torch.device, config: dict) -> dict:
     kw = dict(device=device, dtype="bfloat16", max_batch_size=32, max_seq_len=256, kv_cache_tokens=8192)
     graphed = Engine(path, decode_graphs="cuda" if device.type == "cuda" else "eager", **kw)
     outs = graphed.generate(prompts, params)
-    errors = []
-    for out in outs:
-        for s in out.samples:
-            ids = torch.tensor([out.prompt_token_ids + s.token_ids], device=device)
-            with torch.no_grad():
-                logits = hf(ids).logits[0].float()
-            start = len(out.prompt_token_ids) - 1
-            ref = torch.log_softmax(logits, -1)[start : start + len(s.token_ids)]
-            ref = ref.gather(1, torch.tensor(s.token_ids, device=device)[:, None]).squeeze(1).cpu()
-            errors.extend((ref - torch.tensor(s.logprobs)).abs().tolist())
+    errors = logprob_errors(hf, outs, device)
     # Replays against the same padded steps without capture (on a GPU: must be
     # identical), and against plain unpadded steps (equal up to rounding, so
     # bf16 samples may part ways after a near tie).
@@ -99,6 +91,38 @@ def parity(root: Path, device: torch.device, config: dict) -> dict:
         **compared,
         **graph_report(graphed),
     }
+
+
+def logprob_errors(hf, outs, device: torch.device) -> list[float]:
+    """|engine logprob - transformers logprob| of every sampled token, the
+    reference teacher-forced on the prompt and the sample."""
+    errors = []
+    for out in outs:
+        for s in out.samples:
+            ids = torch.tensor([out.prompt_token_ids + s.token_ids], device=device)
+            with torch.no_grad():
+                logits = hf(ids).logits[0].float()
+            start = len(out.prompt_token_ids) - 1
+            ref = torch.log_softmax(logits, -1)[start : start + len(s.token_ids)]
+            ref = ref.gather(1, torch.tensor(s.token_ids, device=device)[:, None]).squeeze(1).cpu()
+            errors.extend((ref - torch.tensor(s.logprobs)).abs().tolist())
+    return errors
+
+
+def kv_bf16(root: Path, device: torch.device, config: dict) -> dict:
+    """A float32 model's logprobs against transformers float32 on the same
+    device, with its own float32 KV pool and with `kv_cache_dtype="bfloat16"`."""
+    path = root / "kv_bf16"
+    hf = make_checkpoint(path, config, torch.float32).to(device)
+    prompts = workload_prompts(4, 40, seed=5, vocab=config["vocab_size"])
+    params = SamplingParams(n=2, max_tokens=32, ignore_eos=True, seed=7, logprobs_mode="raw")
+    out = {}
+    for name, kv in (("float32", None), ("bfloat16", "bfloat16")):
+        engine = Engine(path, device=device, max_batch_size=16, max_seq_len=256, kv_cache_dtype=kv)
+        errors = logprob_errors(hf, engine.generate(prompts, params), device)
+        out[f"{name}_pool_mean_abs_dlogprob"] = statistics.fmean(errors)
+        out[f"{name}_pool_max_abs_dlogprob"] = max(errors)
+    return out
 
 
 def bench_25m(root: Path, device: torch.device, config: dict, prompts: int, n: int, max_tokens: int) -> dict:
@@ -164,17 +188,14 @@ def qwen_05b(root: Path, device: torch.device, config: dict, batches: tuple[int,
     bandwidth = copy_bandwidth(device, 2**30 if is_cuda else 2**24)
     rate = square_gemm_rate(device, torch.bfloat16, 8192 if is_cuda else 256)
     out: dict = {"copy_bandwidth_gb_s": bandwidth / 1e9, "bf16_gemm_tflop_s": rate / 1e12}
-    graphs = "cuda" if is_cuda else "off"
-    kw = dict(dtype="bfloat16", max_batch_size=max(batches), max_seq_len=512, decode_graphs=graphs)
-    engine = Engine(path, device=device, **kw)
+    kw = dict(dtype="bfloat16", max_batch_size=max(batches), max_seq_len=512)
+    engine = Engine(path, device=device, **kw)  # decode graphs as a user gets them: "auto"
+    eager = Engine(path, device=device, decode_graphs="off", **kw)
     for batch in batches:
         prompts = workload_prompts(batch // 8, 32, seed=batch, vocab=config["vocab_size"])
         params = SamplingParams(n=8, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
-        time_engine(engine, prompts, params)  # warm-up: captures this batch's graphs
-        since = time.time()
-        tokens, seconds = time_engine(engine, prompts, params)
-        steps = [s.seconds for s in engine.step_log(since) if s.num_tokens == batch]  # full-batch decode steps
-        step = statistics.median(steps)
+        tokens, seconds, step = timed_decode(engine, prompts, params, batch)
+        eager_tokens, eager_seconds, eager_step = timed_decode(eager, prompts, params, batch)
         floor = decode_floor(config, batch, 32 + max_tokens / 2, bandwidth, rate)
         hf_tokens, hf_seconds = time_hf(hf, prompts, 8, max_tokens, stop_ids=None)
         out[f"batch_{batch}"] = {
@@ -184,9 +205,21 @@ def qwen_05b(root: Path, device: torch.device, config: dict, batches: tuple[int,
             "decode_step_s": step,
             **floor,
             "step_over_floor": step / floor["floor_s"],
+            "graphs_off_tokens_per_s": eager_tokens / eager_seconds,
+            "graphs_off_decode_step_s": eager_step,
         }
     out.update(graph_report(engine))
     return out
+
+
+def timed_decode(engine: Engine, prompts, params, batch: int) -> tuple[int, float, float]:
+    """Tokens and seconds of the workload after a warm-up run (which captures
+    its graphs), and the median full-batch decode step's seconds."""
+    time_engine(engine, prompts, params)
+    since = time.time()
+    tokens, seconds = time_engine(engine, prompts, params)
+    steps = [s.seconds for s in engine.step_log(since) if s.num_tokens == batch]
+    return tokens, seconds, statistics.median(steps)
 
 
 def run(args) -> dict:
@@ -204,6 +237,7 @@ def run(args) -> dict:
     prompts, batches, max_tokens = (2, (16, 32), 16) if smoke else (16, (64, 256), 128)
     sections = {
         "parity": lambda: parity(root, device, parity_model),
+        "kv_bf16": lambda: kv_bf16(root, device, parity_model),
         "bench_25m": lambda: bench_25m(root, device, bench_model, prompts=prompts, n=8, max_tokens=max_tokens),
         "qwen2.5_0.5b": lambda: qwen_05b(root, device, qwen_model, batches=batches, max_tokens=max_tokens),
     }
@@ -222,13 +256,13 @@ def run(args) -> dict:
 def print_table(r: dict) -> None:
     print(f"device: {r['device']}   ({r['seconds']:.0f} s)")
     ok = {}
-    for name in ("parity", "bench_25m", "qwen2.5_0.5b"):
+    for name in ("parity", "kv_bf16", "bench_25m", "qwen2.5_0.5b"):
         section = r[name]
         if "error" in section:
             print(f"{name} FAILED: {section['error'].strip().splitlines()[-1]}")
             continue
         ok[name] = section
-        if section["graph_capture_failures"]:
+        if section.get("graph_capture_failures"):
             print(f"{name}: graph captures failed, served eagerly: {section['graph_capture_failures']}")
     if p := ok.get("parity"):
         print(
@@ -236,6 +270,12 @@ def print_table(r: dict) -> None:
             f"max {p['bf16_max_abs_dlogprob']:.4f}; identical samples, graphs vs padded eager "
             f"{p.get('graph_vs_padded_identical_samples', '-')}, vs plain eager "
             f"{p['graph_vs_plain_identical_samples']}; {p['graphs_captured']} graphs, {p['graph_replays']} replays"
+        )
+    if k := ok.get("kv_bf16"):
+        print(
+            f"float32 model vs transformers float32: mean |dlogprob| {k['float32_pool_mean_abs_dlogprob']:.1e} "
+            f"(max {k['float32_pool_max_abs_dlogprob']:.1e}) with its float32 KV pool, "
+            f"{k['bfloat16_pool_mean_abs_dlogprob']:.1e} (max {k['bfloat16_pool_max_abs_dlogprob']:.1e}) with bfloat16"
         )
     header = ("engine tok/s", 14), ("HF tok/s", 12), ("speedup", 9), ("step ms", 9), ("floor ms", 10), ("x floor", 9)
     print(f"{'workload':26}" + "".join(f"{name:>{width}}" for name, width in header))
@@ -251,6 +291,10 @@ def print_table(r: dict) -> None:
                     f"{'qwen2.5-0.5b bf16 ' + name:26}{row['engine_tokens_per_s']:14.0f}"
                     f"{row['transformers_tokens_per_s']:12.0f}{row['speedup']:9.2f}"
                     f"{row['decode_step_s'] * 1e3:9.2f}{row['floor_s'] * 1e3:10.2f}{row['step_over_floor']:9.2f}"
+                )
+                print(
+                    f"{'  decode_graphs=off':26}{row['graphs_off_tokens_per_s']:14.0f}{'':21}"
+                    f"{row['graphs_off_decode_step_s'] * 1e3:9.2f}"
                 )
         print(f"copy bandwidth {q['copy_bandwidth_gb_s']:.0f} GB/s, bf16 GEMM {q['bf16_gemm_tflop_s']:.1f} TFLOP/s")
 

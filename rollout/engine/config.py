@@ -30,13 +30,14 @@ class EngineConfig:
     device: torch.device
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype  # the KV pool's dtype: `dtype`, or bfloat16 under float32 (half the bytes)
+    matmul_dtype: torch.dtype  # what the layers' projections multiply in: `dtype`, or bfloat16 under float32
     max_batch_size: int  # sequences decoding at once
     max_seq_len: int  # prompt plus output tokens of one sequence
     page_size: int  # tokens per KV page
     num_pages: int  # pages in the KV pool
     max_step_tokens: int  # tokens computed per step (prefill chunk budget)
     seed: int  # seeds the per-request seeds of unseeded requests
-    decode_graphs: str  # "off", "eager" or "cuda" (see rollout.engine.decode_graphs)
+    decode_graphs: str  # resolved: "off", "eager" or "cuda" (see rollout.engine.decode_graphs)
     kernels: str  # "compiled" (rollout.kernels) or "torch" (torch ops); "auto" until the Engine loads the kernels
 
     @property
@@ -56,16 +57,18 @@ class EngineConfig:
         seed,
         page_size,
         max_step_tokens,
-        decode_graphs="off",
+        decode_graphs="auto",
         kernels="auto",
         kv_cache_dtype=None,
+        matmul_dtype=None,
     ) -> EngineConfig:
         dev = _device(device)
         graphs = resolve_mode(decode_graphs, dev) if isinstance(decode_graphs, str) else None
         if graphs is None:
             raise TypeError(f"decode_graphs must be a str, one of {MODES}, got {type(decode_graphs).__name__}")
         dt = _dtype(dtype)
-        kv_dt = _kv_cache_dtype(kv_cache_dtype, dt)
+        kv_dt = _narrower_dtype(kv_cache_dtype, dt, "kv_cache_dtype")
+        matmul_dt = _narrower_dtype(matmul_dtype, dt, "matmul_dtype")
         # The checks return plain ints: numpy scalars from a caller stop here.
         max_batch_size = check_int("max_batch_size", max_batch_size, 1)
         page_size = check_int("page_size", page_size, 1)
@@ -89,6 +92,7 @@ class EngineConfig:
             device=dev,
             dtype=dt,
             kv_cache_dtype=kv_dt,
+            matmul_dtype=matmul_dt,
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
             page_size=page_size,
@@ -144,18 +148,19 @@ def _dtype(dtype, field: str = "dtype") -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _kv_cache_dtype(kv_cache_dtype, dtype: torch.dtype) -> torch.dtype:
-    """The KV pool's dtype: None means the model's `dtype`; a float32 model may
-    also keep its KV in bfloat16 (half the bytes; logprobs then differ from a
-    float32 pool's by the keys' and values' rounding, see docs/design.md)."""
-    if kv_cache_dtype is None:
+def _narrower_dtype(value, dtype: torch.dtype, field: str) -> torch.dtype:
+    """`kv_cache_dtype` or `matmul_dtype`: None means the model's `dtype`; a
+    float32 model may also take bfloat16 there (the KV pool's bytes halved, or
+    the projections multiplied in bfloat16; logprobs then move away from a
+    float32 trainer's by that rounding, see docs/design.md)."""
+    if value is None:
         return dtype
-    kv = _dtype(kv_cache_dtype, "kv_cache_dtype")
+    narrow = _dtype(value, field)
     allowed = (dtype, torch.bfloat16) if dtype == torch.float32 else (dtype,)
-    if kv not in allowed:
+    if narrow not in allowed:
         names = ", ".join(repr(str(d).removeprefix("torch.")) for d in allowed)
-        raise ValueError(f"kv_cache_dtype must be None or one of {names} for dtype {dtype}, got {kv_cache_dtype!r}")
-    return kv
+        raise ValueError(f"{field} must be None or one of {names} for dtype {dtype}, got {value!r}")
+    return narrow
 
 
 def _default_kv_tokens(mc: ModelConfig, device: torch.device, dtype: torch.dtype, wanted: int) -> int:

@@ -13,9 +13,9 @@ sampler's host-side flags are part of the key, as they pick its branches.
 
 Modes: "cuda" captures and replays; "eager" runs the same padded, bucketed
 step without capturing, which checks the bookkeeping on any device (the CPU
-tests do) and is the bit-exact reference for a replay; "off" (the default
-until a GPU run has confirmed the captured path) leaves every step to the
-eager path.
+tests do) and is the bit-exact reference for a replay; "off" leaves every
+step to the eager path; "auto" (the default) is "cuda" on a CUDA device and
+"off" elsewhere (the GPU figures in docs/benchmarks.md compare the two).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from workspace import InferenceWorkspace
 
 from .sampler import SamplerFlags
 
-MODES = ("off", "eager", "cuda")
+MODES = ("auto", "off", "eager", "cuda")
 
 # Values of the padding rows: a harmless sample that nobody reads.
 _PAD_VALUES = {
@@ -49,9 +49,12 @@ _PAD_VALUES = {
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
-    """`mode` checked for `device`; raises `ValueError` for an unknown one or "cuda" off CUDA."""
+    """`mode` checked for `device`, "auto" resolved to "cuda" on a CUDA device
+    and "off" elsewhere; raises `ValueError` for an unknown mode or "cuda" off CUDA."""
     if mode not in MODES:
         raise ValueError(f"decode_graphs must be one of {MODES}, got {mode!r}")
+    if mode == "auto":
+        return "cuda" if device.type == "cuda" else "off"
     if mode == "cuda" and device.type != "cuda":
         raise ValueError(f"decode_graphs='cuda' needs a CUDA device, got {device}")
     return mode

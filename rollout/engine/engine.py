@@ -34,6 +34,7 @@ from ..tokenizer import TextCodec
 from .background import BackgroundDriver
 from .config import EngineConfig
 from .decode_graphs import graph_stats
+from .errors import ClosedError
 from .kv_manager import KVManager
 from .leases import LeaseSlot
 from .open_iterators import OpenIterators
@@ -50,12 +51,6 @@ from .weight_update import WeightUpdater
 from .weights_api import WeightsAPI
 
 
-class ClosedError(ValueError, RuntimeError):
-    """A call on an engine or cluster that was closed or shut down. A
-    ValueError (as for I/O on a closed file) and a RuntimeError, so either
-    kind of handler catches it."""
-
-
 class Engine(WeightsAPI):
     """Samples `n` responses per prompt with per-token logprobs and policy versions.
 
@@ -64,14 +59,16 @@ class Engine(WeightsAPI):
     raise `ValueError`/`TypeError` naming the field before anything is built.
     Extra keywords: `page_size` (KV tokens per page), `max_step_tokens`
     (tokens computed per step), `debug_decode_cache` (check the fast decode
-    path against the host path every step), `decode_graphs` ("off"; "cuda":
-    decode steps replayed from CUDA graphs; "eager": the same padded steps
-    without capture, see `rollout.engine.decode_graphs`), `kernels` ("auto": on
-    the CPU the compiled kernels of `rollout.kernels` when they build,
-    else "torch"; "compiled": those kernels or an error; "torch": torch ops
-    only, decode attention over gathered pages with SDPA), `kv_cache_dtype`
-    (None: the model's; "bfloat16" under float32 halves the pool, at a logprob
-    cost, see docs/design.md), `step_callback`.
+    path against the host path every step), `decode_graphs` ("auto": "cuda"
+    on a CUDA device, else "off"; "cuda": decode steps replayed from CUDA
+    graphs; "eager": the same padded steps without capture; see
+    `rollout.engine.decode_graphs`), `kernels` ("auto": on the CPU the compiled
+    kernels of `rollout.kernels` when they build, else "torch"; "compiled":
+    those kernels or an error; "torch": torch ops only, decode attention over
+    gathered pages with SDPA), `kv_cache_dtype` (None: the model's; "bfloat16"
+    under float32 halves the pool, at a logprob cost), `matmul_dtype` (None:
+    the model's; "bfloat16" under float32: the layers' projections multiply
+    in bfloat16 with float32 accumulation, at a logprob cost), `step_callback`.
     """
 
     def __init__(
@@ -87,9 +84,10 @@ class Engine(WeightsAPI):
         page_size: int = 16,
         max_step_tokens: int | None = None,
         debug_decode_cache: bool = False,
-        decode_graphs: str = "off",
+        decode_graphs: str = "auto",
         kernels: str = "auto",
         kv_cache_dtype: str | torch.dtype | None = None,
+        matmul_dtype: str | torch.dtype | None = None,
         step_callback: Callable[[StepInfo], None] | None = None,
     ) -> None:
         self.model_config = ModelConfig.from_dir(model_path)
@@ -106,11 +104,12 @@ class Engine(WeightsAPI):
             decode_graphs=decode_graphs,
             kernels=kernels,
             kv_cache_dtype=kv_cache_dtype,
+            matmul_dtype=matmul_dtype,
         )
         self.codec = TextCodec.from_dir(model_path, self.model_config.eos_token_ids)
         self._cpu_ops = load_kernels(cfg.kernels)  # compiled at first use; None: torch ops only
         self.config = cfg = dataclasses.replace(cfg, kernels="torch" if self._cpu_ops is None else "compiled")
-        self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len, cpu_ops=self._cpu_ops)
+        self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len, self._cpu_ops, cfg.matmul_dtype)
         load_checkpoint(self.model, model_path)
         self.model.pack_weights()
         self._build_runtime(debug_decode_cache)

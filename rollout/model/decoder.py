@@ -17,7 +17,7 @@ from workspace import KVPool
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
-from .linear import SKINNY_MAX_ROWS, PackedWeights, pick_linear
+from .linear import SKINNY_MAX_ROWS, PackedWeights, onednn_bf16, onednn_linear, pick_linear
 from .rope import RotaryTable
 from .weight_slots import WeightSlot, weight_slots
 
@@ -61,12 +61,25 @@ class Model(nn.Module):
     then runs all its layers in one op (`decode_layers`), the same kernels
     without the interpreter between them. Other dtypes keep the torch ops,
     whose bf16/fp16 rounding steps the reference shares.
+
+    `matmul_dtype` bfloat16 under float32 weights: the layers' projections
+    (qkv, o, gate/up, down) multiply bfloat16 copies of their weights (and
+    biases) by their inputs rounded to bfloat16, accumulating in float32, and
+    their outputs, rounded to bfloat16 as the GEMM writes them, widen back to
+    float32. Everything else stays float32: embeddings, norms, the residual
+    stream, rotary, attention, and the LM head, whose logits a bfloat16 output
+    would round by up to 1/32 at magnitudes near 10. On CPUs with bfloat16
+    instructions oneDNN runs those GEMMs at about twice its float32 rate.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int, cpu_ops=None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int, cpu_ops=None, matmul_dtype=None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self._ops = cpu_ops if dtype == torch.float32 and torch.device(device).type == "cpu" else None
+        self._matmul_dtype = dtype if matmul_dtype is None else matmul_dtype
+        self._narrow = self._matmul_dtype != dtype  # bfloat16 projections under float32 weights
         self.gemm, self._linear = "torch", F.linear
         if self._ops is not None:
             self.gemm, self._linear = pick_linear(cfg.hidden_size)
@@ -85,12 +98,13 @@ class Model(nn.Module):
             tuple((f"layers.{i}.{kind}", getattr(layer, kind)) for kind in kinds) for i, layer in enumerate(self.layers)
         ]
         self._head = ("embed", self.embed) if self.lm_head is None else ("lm_head", self.lm_head)
-        self.packed = None
-        if self.gemm == "onednn":
-            self.packed = PackedWeights(dict([*(p for layer in self._projections for p in layer), self._head]))
+        # bfloat16 projections on oneDNN where it multiplies bfloat16 here, else on torch's F.linear
+        self._narrow_onednn = self._narrow and self.gemm == "onednn" and onednn_bf16()
+        self.packed = self._gemm_copies(pack=self.gemm == "onednn")
         # Pure-decode steps run all layers in one op (`decode_layers`) when every
         # kernel it calls applies; q/k norms (qwen3) keep the Python loop.
         self._one_op = self._ops is not None and self.gemm == "onednn" and not cfg.qk_norm
+        self._one_op &= self._narrow_onednn or not self._narrow
         self._biases = [b for layer in self.layers for b in (layer.qkv_bias, layer.o_bias)]
         self._norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
         self._windows = [w or 0 for w in cfg.sliding_windows]
@@ -107,25 +121,45 @@ class Model(nn.Module):
         except RuntimeError as exc:
             message = f"packing weights for oneDNN failed ({exc}); projections use plain weights"
             warnings.warn(message, RuntimeWarning, stacklevel=3)
-            self.packed = None
+            self._narrow_onednn = False
+            self._one_op &= not self._narrow
+            self.packed = self._gemm_copies(pack=False)
 
     def weights_changed(self, names=None) -> None:
         """The parameters `names` (all when None) were given new values; call under the engine's guard."""
         if self.packed is not None:
             self.packed.changed(names)
 
+    def _gemm_copies(self, pack: bool) -> PackedWeights | None:
+        """The copies the GEMMs multiply by: under a bfloat16 `matmul_dtype`, the
+        projections in bfloat16; with `pack`, oneDNN's blocked copies of the LM
+        head and of the projections (the bfloat16 ones only where oneDNN
+        multiplies them). None when there are none: the GEMMs take the live weights."""
+        projections = dict(p for layer in self._projections for p in layer)
+        narrow = frozenset(projections) if self._narrow else frozenset()
+        packed = frozenset()
+        if pack:
+            packed = frozenset([self._head[0], *(projections if self._narrow_onednn or not narrow else ())])
+        params = {name: w for name, w in [*projections.items(), self._head] if name in packed | narrow}
+        return PackedWeights(params, packed, narrow, self._matmul_dtype) if params else None
+
     def _weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        """The tensor a GEMM multiplies by for the parameter `name` (`weight`): its packed copy when current."""
-        return weight if self.packed is None else self.packed.weight(name)
+        """The tensor a GEMM multiplies by for the parameter `name` (`weight`): its
+        packed (or bfloat16) copy when there is one."""
+        return weight if self.packed is None or name not in self.packed.names else self.packed.weight(name)
 
     def _project(self, x: torch.Tensor, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if self._narrow and name != self._head[0]:  # bfloat16 in, float32 accumulation, bfloat16 out
+            dt, linear = self._matmul_dtype, onednn_linear if self._narrow_onednn else F.linear
+            bias = None if bias is None else bias.to(dt)
+            return linear(x.to(dt), self._weight(name, weight), bias).to(x.dtype)
         if self._skinny(x.shape[0]):
             return self._ops.skinny_linear(x, weight, bias)
         return self._linear(x, self._weight(name, weight), bias)
 
     def _skinny(self, rows: int) -> bool:
-        """Whether a step of `rows` rows projects with `skinny_linear` (on the plain weights)."""
-        return self._ops is not None and 0 < rows <= SKINNY_MAX_ROWS  # 0: a step that samples nothing
+        """Whether a step of `rows` rows projects with `skinny_linear` (float32, on the plain weights)."""
+        return self._ops is not None and not self._narrow and 0 < rows <= SKINNY_MAX_ROWS  # 0: samples nothing
 
     @torch.inference_mode()
     def forward(
@@ -180,7 +214,7 @@ class Model(nn.Module):
         self._ops.decode_layers(
             *(h, x, weights, self._biases, self._norms, cfg.rms_norm_eps, positions, rotary.cos, rotary.sin),
             *(kv.k, kv.v, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens),
-            *(self._windows, self.scale, cfg.num_heads, skinny),
+            *(self._windows, self.scale, cfg.num_heads, skinny, self._narrow),
         )
         return h
 

@@ -1,7 +1,8 @@
 """The projections' GEMM backends on the CPU: oneDNN's matmul (`onednn_linear`)
-or torch's BLAS, chosen once per build (`pick_linear`); oneDNN's blocked
-copies of the weights (`PackedWeights`); and the row count up to which the
-compiled `skinny_linear` takes a projection instead (`SKINNY_MAX_ROWS`)."""
+or torch's BLAS, chosen once per build (`pick_linear`); the copies of the
+weights the GEMMs multiply by, oneDNN's blocked layout and/or bfloat16
+(`PackedWeights`); and the row count up to which the compiled
+`skinny_linear` takes a projection instead (`SKINNY_MAX_ROWS`)."""
 
 from __future__ import annotations
 
@@ -43,25 +44,46 @@ def pick_linear(in_features: int) -> tuple[str, Callable]:
     return ("onednn", onednn_linear) if works else ("blas", F.linear)
 
 
-class PackedWeights:
-    """oneDNN's blocked copies of the projection weights, kept in step with the live ones.
+def onednn_bf16() -> bool:
+    """Whether oneDNN's bfloat16 GEMMs run on this CPU (AVX-512 or AVX-NE-CONVERT;
+    torch refuses them elsewhere, and torch's own bfloat16 GEMM takes over)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return False
 
-    oneDNN reorders a plain weight on every call; a copy packed once spares
-    every GEMM that reorder. A commit marks the copies of the weights it
-    replaced stale (`changed`: no memory is freed under the guard); the
-    forward uses those plain weights and repacks at most `per_step` of them
-    per step (enough to catch up within 32 steps), so a push adds no packing
-    to its own latency or to the commit's pause. Packed and plain weights
-    agree to float32 rounding, not bit for bit. Commits and steps both run
+
+class PackedWeights:
+    """The copies of the projection weights the GEMMs multiply by, kept in step with the live ones.
+
+    The weights named in `packed` are copied in oneDNN's blocked layout:
+    oneDNN reorders a plain weight on every call, and a copy packed once
+    spares every GEMM that reorder. Those named in `narrow` are copied in
+    `narrow_dtype` (bfloat16 copies of float32 weights, see `Model`'s
+    `matmul_dtype`), blocked too when also in `packed`. A commit marks the
+    copies of the weights it replaced stale (`changed`: no memory is freed
+    under the guard); the forward uses those live weights (converted at each
+    use when narrow) and repacks at most `per_step` of them per step (enough
+    to catch up within 32 steps), so a push adds no packing to its own
+    latency or to the commit's pause. Packed and plain weights agree to
+    float32 accumulation order, not bit for bit. Commits and steps both run
     under the engine's guard, so a copy is never read while its weight
-    changes. Costs one more copy of the projection weights and the LM head,
-    which with a large vocabulary is the biggest of them.
+    changes. Costs one more copy of the weights, of which the LM head, with a
+    large vocabulary, is the biggest.
     """
 
-    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+    def __init__(
+        self,
+        params: dict[str, nn.Parameter],
+        packed: frozenset[str] | None = None,
+        narrow: frozenset[str] = frozenset(),
+        narrow_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         self._params = params  # name -> live parameter; commits rebind its data
-        self._packed: dict[str, torch.Tensor] = {}  # name -> blocked copy of the parameter's data
+        self._packed: dict[str, torch.Tensor] = {}  # name -> the GEMMs' copy of the parameter's data
         self._stale: set[str] = set(params)  # copies that do not match their parameter (or are missing)
+        self._pack = frozenset(params) if packed is None else packed
+        self._narrow, self._narrow_dtype = narrow, narrow_dtype
         self.per_step = max(1, -(-len(params) // 32))
 
     def changed(self, names=None) -> None:
@@ -75,12 +97,24 @@ class PackedWeights:
                 self._repack(name)
 
     def weight(self, name: str) -> torch.Tensor:
-        """The packed copy of `name` when current, else the plain weight."""
-        return self._params[name] if name in self._stale else self._packed[name]
+        """The copy of `name` when current, else the live weight (converted when narrow)."""
+        if name not in self._stale:
+            return self._packed[name]
+        return self._plain(name)
+
+    def _plain(self, name: str) -> torch.Tensor:
+        weight = self._params[name].detach()
+        return weight.to(self._narrow_dtype) if name in self._narrow else weight
 
     def _repack(self, name: str) -> None:
-        self._packed[name] = torch.ops.mkldnn._reorder_linear_weight(self._params[name].detach(), None)
+        weight = self._plain(name)
+        self._packed[name] = torch.ops.mkldnn._reorder_linear_weight(weight, None) if name in self._pack else weight
         self._stale.discard(name)
+
+    @property
+    def names(self):
+        """The names of the weights copied here."""
+        return self._params.keys()
 
     @property
     def num_current(self) -> int:

@@ -27,6 +27,7 @@ def build_backend(args: argparse.Namespace) -> Backend:
         "max_seq_len": args.max_seq_len,
         "kv_cache_tokens": args.kv_cache_tokens,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "matmul_dtype": args.matmul_dtype,
     }
     if args.device is not None:
         sizes["device"] = args.device

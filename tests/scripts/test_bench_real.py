@@ -43,6 +43,22 @@ def test_gemm_floor_times_each_shape_and_sums_them():
     assert floor["flops_per_s"] == pytest.approx(flops / floor["step_seconds"])
 
 
+def test_the_bf16_floor_times_the_layer_projections_in_bfloat16(monkeypatch):
+    timed = []
+
+    def seconds_per_call(fn, seconds):
+        fn()
+        return 1.0
+
+    real_backends = bench_real._backends
+    monkeypatch.setattr(bench_real, "_seconds_per_call", seconds_per_call)
+    monkeypatch.setattr(bench_real, "_backends", lambda w: timed.append(w.dtype) or real_backends(w))
+    floor = bench_real.bf16_floor(preset("test-tiny"), rows=4)
+    shapes = bench_real.projection_shapes(preset("test-tiny"))
+    assert floor["shapes"].keys() == shapes.keys()
+    assert timed == [torch.bfloat16] * 4 + [torch.float32]  # qkv, o_proj, gate_up, down; the LM head
+
+
 def test_profile_splits_a_generate_by_op(qwen2, capsys):
     engine = make_engine(qwen2.path)
     params = SamplingParams(n=4, max_tokens=12, ignore_eos=True, seed=0)

@@ -27,10 +27,14 @@ def test_gpu_check_smoke_runs_every_check(tmp_path, capsys):
     assert parity["bf16_max_abs_dlogprob"] < 0.05  # bf16 against transformers in bf16
     done, total = parity["graph_vs_plain_identical_samples"].split("/")  # padded steps vs plain ones, on the CPU
     assert done == total and int(total) == 24 and parity["graph_replays"] > 0
+    kv = results["kv_bf16"]  # a float32 model against transformers float32
+    assert kv["float32_pool_max_abs_dlogprob"] < 1e-4
+    assert kv["float32_pool_mean_abs_dlogprob"] < kv["bfloat16_pool_mean_abs_dlogprob"] < 0.05
     assert results["bench_25m"]["engine_tokens_per_s"] > 0 and results["bench_25m"]["transformers_tokens_per_s"] > 0
     for batch in (16, 32):
         row = results["qwen2.5_0.5b"][f"batch_{batch}"]
         assert row["decode_step_s"] > 0 and row["floor_s"] > 0 and row["speedup"] > 0
+        assert row["graphs_off_decode_step_s"] > 0 and row["graphs_off_tokens_per_s"] > 0
     assert "qwen2.5-0.5b bf16 batch_32" in capsys.readouterr().out
 
 

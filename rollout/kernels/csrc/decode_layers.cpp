@@ -7,7 +7,9 @@
 // at most two rows, on plain weights) through skinny_linear, the rest straight
 // into this library's kernels. Its results equal the Python loop's bit for bit;
 // what it saves is the interpreter's time between the calls, which at decode
-// batch sizes is a visible share of a step.
+// batch sizes is a visible share of a step. With `bf16` (Model's matmul_dtype
+// bfloat16) each GEMM takes its input rounded to bfloat16 and bfloat16 weights
+// and biases, and its bfloat16 output widens back to float32, as in Model._project.
 //
 // Layout of the lists, for L layers: `weights` holds qkv, o, gate_up, down
 // per layer (packed or plain, as the caller chooses), `biases` qkv and o per
@@ -39,7 +41,7 @@ void decode_layers(at::Tensor h, at::Tensor x, at::TensorList weights,
                    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                    at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
                    const at::Tensor& context_lens, at::IntArrayRef windows, double scale, int64_t num_heads,
-                   bool skinny) {
+                   bool skinny, bool bf16) {
   const int64_t layers = static_cast<int64_t>(windows.size());
   TORCH_CHECK(layers >= 1, "decode_layers needs at least one layer");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == 2 * layers &&
@@ -55,8 +57,14 @@ void decode_layers(at::Tensor h, at::Tensor x, at::TensorList weights,
   TORCH_CHECK(weights[0].size(0) == q_size + 2 * kv_size, "the qkv weight has ", weights[0].size(0), " rows, not ",
               q_size + 2 * kv_size, " (", num_heads, " query and ", kv_heads, " KV heads of ", head_dim, ")");
 
-  const auto linear = [skinny](const at::Tensor& input, const at::Tensor& weight,
-                               const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(!(skinny && bf16), "decode_layers: skinny_linear takes float32 weights, not bfloat16 ones");
+  const auto linear = [skinny, bf16](const at::Tensor& input, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias) {
+    if (bf16) {
+      const std::optional<at::Tensor> narrow_bias =
+          bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kBFloat16)) : std::nullopt;
+      return onednn_linear(input.to(at::kBFloat16), weight, narrow_bias).to(at::kFloat);
+    }
     return skinny ? rollout_cpu::skinny_linear(input, weight, bias) : onednn_linear(input, weight, bias);
   };
   rollout_cpu::rms_norm(h, norms[0], eps, x);
@@ -89,7 +97,8 @@ TORCH_LIBRARY_FRAGMENT(rollout, m) {
   m.def(
       "decode_layers(Tensor(a!) h, Tensor(b!) x, Tensor[] weights, Tensor?[] biases, Tensor[] norms, float eps, "
       "Tensor positions, Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots, "
-      "Tensor block_tables, Tensor context_lens, int[] windows, float scale, int num_heads, bool skinny) -> ()");
+      "Tensor block_tables, Tensor context_lens, int[] windows, float scale, int num_heads, bool skinny, "
+      "bool bf16) -> ()");
 }
 
 // Packed weights are oneDNN tensors, which dispatch on MkldnnCPU rather than CPU.

@@ -34,10 +34,17 @@ def test_buckets_are_powers_of_two_capped_by_the_limit():
 def test_modes_resolve_per_device():
     cpu = torch.device("cpu")
     assert resolve_mode("off", cpu) == "off" and resolve_mode("eager", cpu) == "eager"
+    assert resolve_mode("auto", cpu) == "off" and resolve_mode("auto", torch.device("cuda")) == "cuda"
     with pytest.raises(ValueError, match="needs a CUDA device"):
         resolve_mode("cuda", cpu)
-    with pytest.raises(ValueError, match=r"one of \('off', 'eager', 'cuda'\)"):
-        resolve_mode("auto", cpu)
+    with pytest.raises(ValueError, match=r"one of \('auto', 'off', 'eager', 'cuda'\)"):
+        resolve_mode("always", cpu)
+
+
+def test_the_default_captures_on_cuda_only(qwen2):
+    assert make_engine(qwen2.path).config.decode_graphs == "off"
+    if torch.cuda.is_available():  # pragma: no cover - GPU machines only
+        assert make_engine(qwen2.path, device="cuda").config.decode_graphs == "cuda"
 
 
 def test_bad_decode_graphs_argument_is_refused(qwen2):
