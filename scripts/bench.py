@@ -409,11 +409,13 @@ def print_table(r: dict) -> None:
     if "engine_torch_ops" in r:
         torch_ops = r["engine_torch_ops"]["tokens_per_s"]
         rows.insert(1, ("  with kernels='torch'", torch_ops, hf and hf["tokens_per_s"]))
-    for label, side in (
-        ("  with matmul_dtype='bfloat16'", "engine_matmul_bf16"),
+    narrow = (
         ("  with kv_cache_dtype='bfloat16'", "engine_kv_bf16"),
-    ):
+        ("  with matmul_dtype='bfloat16'", "engine_matmul_bf16"),
+    )
+    for label, side in reversed(narrow):
         rows.insert(1, (label, r[side]["tokens_per_s"], hf and hf["tokens_per_s"]))
+    for label, side in narrow:
         rows.insert(-2, (label, r[side]["fraction_of_floor"], hf and hf["fraction_of_floor"]))
     for name, ours, theirs in rows:
         ratio = f"{ours / theirs:8.2f}" if theirs else ""

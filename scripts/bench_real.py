@@ -376,6 +376,8 @@ _OPS = {
     "rollout::add_rms_norm_": "RMSNorm (+ residual)",
     "rollout::rms_norm": "RMSNorm (+ residual)",
     "rollout::skinny_linear": "GEMM (1-2 rows)",
+    "aten::_to_copy": "copies, dtype conversions",
+    "aten::copy_": "copies, dtype conversions",
 }
 
 

@@ -111,17 +111,20 @@ def logprob_errors(hf, outs, device: torch.device) -> list[float]:
 
 def kv_bf16(root: Path, device: torch.device, config: dict) -> dict:
     """A float32 model's logprobs against transformers float32 on the same
-    device, with its own float32 KV pool and with `kv_cache_dtype="bfloat16"`."""
+    device, with its own float32 KV pool, with `kv_cache_dtype="bfloat16"` and
+    with `matmul_dtype="bfloat16"`."""
     path = root / "kv_bf16"
     hf = make_checkpoint(path, config, torch.float32).to(device)
     prompts = workload_prompts(4, 40, seed=5, vocab=config["vocab_size"])
     params = SamplingParams(n=2, max_tokens=32, ignore_eos=True, seed=7, logprobs_mode="raw")
     out = {}
-    for name, kv in (("float32", None), ("bfloat16", "bfloat16")):
-        engine = Engine(path, device=device, max_batch_size=16, max_seq_len=256, kv_cache_dtype=kv)
+    options = {"float32_pool": {}, "bfloat16_pool": {"kv_cache_dtype": "bfloat16"}}
+    options["bfloat16_matmul"] = {"matmul_dtype": "bfloat16"}
+    for name, option in options.items():
+        engine = Engine(path, device=device, max_batch_size=16, max_seq_len=256, **option)
         errors = logprob_errors(hf, engine.generate(prompts, params), device)
-        out[f"{name}_pool_mean_abs_dlogprob"] = statistics.fmean(errors)
-        out[f"{name}_pool_max_abs_dlogprob"] = max(errors)
+        out[f"{name}_mean_abs_dlogprob"] = statistics.fmean(errors)
+        out[f"{name}_max_abs_dlogprob"] = max(errors)
     return out
 
 
@@ -274,8 +277,10 @@ def print_table(r: dict) -> None:
     if k := ok.get("kv_bf16"):
         print(
             f"float32 model vs transformers float32: mean |dlogprob| {k['float32_pool_mean_abs_dlogprob']:.1e} "
-            f"(max {k['float32_pool_max_abs_dlogprob']:.1e}) with its float32 KV pool, "
-            f"{k['bfloat16_pool_mean_abs_dlogprob']:.1e} (max {k['bfloat16_pool_max_abs_dlogprob']:.1e}) with bfloat16"
+            f"(max {k['float32_pool_max_abs_dlogprob']:.1e}) as it is, {k['bfloat16_pool_mean_abs_dlogprob']:.1e} "
+            f"(max {k['bfloat16_pool_max_abs_dlogprob']:.1e}) with a bfloat16 KV pool, "
+            f"{k['bfloat16_matmul_mean_abs_dlogprob']:.1e} (max {k['bfloat16_matmul_max_abs_dlogprob']:.1e}) "
+            "with bfloat16 projections"
         )
     header = ("engine tok/s", 14), ("HF tok/s", 12), ("speedup", 9), ("step ms", 9), ("floor ms", 10), ("x floor", 9)
     print(f"{'workload':26}" + "".join(f"{name:>{width}}" for name, width in header))

@@ -30,6 +30,7 @@ def test_gpu_check_smoke_runs_every_check(tmp_path, capsys):
     kv = results["kv_bf16"]  # a float32 model against transformers float32
     assert kv["float32_pool_max_abs_dlogprob"] < 1e-4
     assert kv["float32_pool_mean_abs_dlogprob"] < kv["bfloat16_pool_mean_abs_dlogprob"] < 0.05
+    assert kv["float32_pool_mean_abs_dlogprob"] < kv["bfloat16_matmul_mean_abs_dlogprob"] < 0.05
     assert results["bench_25m"]["engine_tokens_per_s"] > 0 and results["bench_25m"]["transformers_tokens_per_s"] > 0
     for batch in (16, 32):
         row = results["qwen2.5_0.5b"][f"batch_{batch}"]
