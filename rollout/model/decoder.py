@@ -150,6 +150,8 @@ class Model(nn.Module):
 
     def _project(self, x: torch.Tensor, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
         if self._narrow and name != self._head[0]:  # bfloat16 in, float32 accumulation, bfloat16 out
+            if self._skinny(x.shape[0]):  # rounds the plain float32 weight as it reads it
+                return self._ops.skinny_linear_bf16(x, weight, bias)
             dt, linear = self._matmul_dtype, onednn_linear if self._narrow_onednn else F.linear
             bias = None if bias is None else bias.to(dt)
             return linear(x.to(dt), self._weight(name, weight), bias).to(x.dtype)
@@ -158,8 +160,9 @@ class Model(nn.Module):
         return self._linear(x, self._weight(name, weight), bias)
 
     def _skinny(self, rows: int) -> bool:
-        """Whether a step of `rows` rows projects with `skinny_linear` (float32, on the plain weights)."""
-        return self._ops is not None and not self._narrow and 0 < rows <= SKINNY_MAX_ROWS  # 0: samples nothing
+        """Whether a step of `rows` rows projects with `skinny_linear` (`skinny_linear_bf16` for
+        bfloat16 projections), on the plain float32 weights."""
+        return self._ops is not None and 0 < rows <= SKINNY_MAX_ROWS  # 0: a step that samples nothing
 
     @torch.inference_mode()
     def forward(

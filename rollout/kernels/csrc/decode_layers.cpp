@@ -9,7 +9,9 @@
 // what it saves is the interpreter's time between the calls, which at decode
 // batch sizes is a visible share of a step. With `bf16` (Model's matmul_dtype
 // bfloat16) each GEMM takes its input rounded to bfloat16 and bfloat16 weights
-// and biases, and its bfloat16 output widens back to float32, as in Model._project.
+// and biases, and its bfloat16 output widens back to float32, as in
+// Model._project; with `skinny` too, skinny_linear_bf16 does that rounding on
+// the plain float32 weights.
 //
 // Layout of the lists, for L layers: `weights` holds qkv, o, gate_up, down
 // per layer (packed or plain, as the caller chooses), `biases` qkv and o per
@@ -57,9 +59,9 @@ void decode_layers(at::Tensor h, at::Tensor x, at::TensorList weights,
   TORCH_CHECK(weights[0].size(0) == q_size + 2 * kv_size, "the qkv weight has ", weights[0].size(0), " rows, not ",
               q_size + 2 * kv_size, " (", num_heads, " query and ", kv_heads, " KV heads of ", head_dim, ")");
 
-  TORCH_CHECK(!(skinny && bf16), "decode_layers: skinny_linear takes float32 weights, not bfloat16 ones");
   const auto linear = [skinny, bf16](const at::Tensor& input, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias) {
+    if (skinny && bf16) return rollout_cpu::skinny_linear_bf16(input, weight, bias);
     if (bf16) {
       const std::optional<at::Tensor> narrow_bias =
           bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kBFloat16)) : std::nullopt;

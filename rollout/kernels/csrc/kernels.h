@@ -21,5 +21,6 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor out);
 // Rows that skinny_linear takes at most (rollout.model.linear.SKINNY_MAX_ROWS, the same number).
 constexpr int64_t kSkinnyMaxRows = 2;
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+at::Tensor skinny_linear_bf16(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
 }  // namespace rollout_cpu

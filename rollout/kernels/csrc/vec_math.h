@@ -38,3 +38,12 @@ inline float vec_exp(float x) {
   const int32_t exponent = n == n ? static_cast<int32_t>(n) : 0;  // NaN in, NaN out (p), without a NaN cast
   return underflow ? 0.f : p * std::bit_cast<float>((exponent + 127) << 23);
 }
+
+// x rounded to the nearest bfloat16 (ties to even), kept as a float32: what
+// torch's .to(torch.bfloat16) then .float() gives, with integer ops that loops
+// vectorise. NaN stays NaN; values past bfloat16's largest round to infinity.
+inline float round_bf16(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const float rounded = std::bit_cast<float>((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+  return x != x ? x : rounded;
+}

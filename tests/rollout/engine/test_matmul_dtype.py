@@ -21,6 +21,7 @@ from torch import nn
 
 from rollout import SamplingParams
 from rollout.cli import main, parser
+from rollout.kernels.build import cpu_ops
 from rollout.model import decoder
 from rollout.model.linear import onednn_bf16 as onednn_bf16_here
 from tests.conftest import make_engine
@@ -83,7 +84,7 @@ def test_a_projection_rounds_as_a_float64_recompute(qwen2, onednn_bf16, rows):
     everywhere; with the stale copy (the live weight converted at use) and the packed one."""
     engine = make_engine(qwen2.path, matmul_dtype="bfloat16")
     model = engine.model
-    assert model._narrow_onednn == onednn_bf16 and not model._skinny(1)
+    assert model._narrow_onednn == onednn_bf16 and model._skinny(1)  # one row: skinny_linear_bf16
     name, weight = model._projections[1][0]  # layer 1's qkv, with its bias
     bias = model.layers[1].qkv_bias
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)) * 3
@@ -97,6 +98,21 @@ def test_a_projection_rounds_as_a_float64_recompute(qwen2, onednn_bf16, rows):
         assert (got == expected).double().mean() > 0.995, state
         while model.packed.num_current < len(model.packed.names):
             model.packed.start_step()
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("k", [64, 100])  # 100: a tail past the 32-lane blocks
+def test_skinny_linear_bf16_rounds_as_a_float64_recompute(rows, k):
+    """x, the float32 weight and the bias rounded to bfloat16 as read, the output as written:
+    within one bfloat16 step of the rounded float64 result, and equal to it almost everywhere."""
+    g = torch.Generator().manual_seed(rows * 100 + k)
+    x, w, b = torch.randn(rows, k, generator=g), torch.randn(300, k, generator=g), torch.randn(300, generator=g)
+    exact = _round(x).double() @ _round(w).double().T + _round(b).double()
+    expected = exact.float().bfloat16().float()
+    got = cpu_ops().skinny_linear_bf16(x, w, b)
+    assert got.dtype == torch.float32 and torch.equal(got, got.bfloat16().float())  # bfloat16 values
+    torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-30)
+    assert (got == expected).double().mean() > 0.99
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])  # qwen2: biases; mistral: sliding window
@@ -140,7 +156,7 @@ def test_the_copies_are_bfloat16_and_the_weights_stay_float32(qwen2, onednn_bf16
     engine = make_engine(qwen2.path, matmul_dtype=torch.bfloat16)
     engine.generate([[5, 6, 7]], SamplingParams(max_tokens=40, ignore_eos=True))  # enough steps to pack every copy
     model = engine.model
-    assert model.packed.num_current == len(model.packed.names) and not model._skinny(1)
+    assert model.packed.num_current == len(model.packed.names)
     for name, param in model._projections[0]:
         assert param.dtype == torch.float32 and model._weight(name, param).dtype == torch.bfloat16
     head, weight = model._head
