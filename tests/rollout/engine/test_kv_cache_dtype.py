@@ -137,34 +137,37 @@ def test_the_pool_holds_half_the_bytes(qwen2):
     assert bf16.model.embed.dtype == torch.float32  # the weights keep the model's dtype
 
 
+@pytest.mark.parametrize("field", ["kv_cache_dtype", "matmul_dtype"])
 @pytest.mark.parametrize(
-    "kwargs, error, message",
+    "value, dtype, error, message",
     [
-        (dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype must be one of"),
-        (dict(kv_cache_dtype=16), TypeError, "kv_cache_dtype must be a str or torch.dtype, got int"),
-        (dict(kv_cache_dtype="float16"), ValueError, r"kv_cache_dtype must be None or one of 'float32', 'bfloat16'"),
-        (dict(dtype="bfloat16", kv_cache_dtype="float32"), ValueError, r"one of 'bfloat16' for dtype torch.bfloat16"),
+        ("fp8", "float32", ValueError, "{field} must be one of"),
+        (16, "float32", TypeError, "{field} must be a str or torch.dtype, got int"),
+        ("float16", "float32", ValueError, r"{field} must be None or one of 'float32', 'bfloat16'"),
+        ("float32", "bfloat16", ValueError, r"{field} must be None or one of 'bfloat16' for dtype torch.bfloat16"),
     ],
 )
-def test_bad_kv_cache_dtypes_are_refused_by_name(qwen2, kwargs, error, message):
-    with pytest.raises(error, match=message):
-        make_engine(qwen2.path, **kwargs)
+def test_bad_narrow_dtypes_are_refused_by_name(qwen2, field, value, dtype, error, message):
+    """Both bfloat16 options of a float32 model (this file's and test_matmul_dtype.py's)."""
+    with pytest.raises(error, match=message.format(field=field)):
+        make_engine(qwen2.path, dtype=dtype, **{field: value})
 
 
-def test_serve_and_generate_take_the_kv_cache_dtype(qwen2, tmp_path, capsys):
+@pytest.mark.parametrize("field", ["kv_cache_dtype", "matmul_dtype"])
+def test_serve_and_generate_take_the_narrow_dtypes(qwen2, tmp_path, capsys, field):
     from rollout.server.run import build_backend
 
+    flag = "--" + field.replace("_", "-")
     sizes = ["--max-seq-len", "64", "--kv-cache-tokens", "256", "--device", "cpu"]
-    backend = build_backend(
-        parser().parse_args(["serve", "--model", str(qwen2.path), *sizes, "--kv-cache-dtype", "bfloat16"])
-    )
+    backend = build_backend(parser().parse_args(["serve", "--model", str(qwen2.path), *sizes, flag, "bfloat16"]))
     try:
-        assert backend.engine.kv_pool.k.dtype == torch.bfloat16
+        assert getattr(backend.engine.config, field) == torch.bfloat16
+        assert (backend.engine.kv_pool.k.dtype == torch.bfloat16) == (field == "kv_cache_dtype")
     finally:
         backend.close()
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("[1, 2, 3]\n")
     argv = ["generate", "--model", str(qwen2.path), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]
-    assert main([*argv, *sizes, "--quiet", "--kv-cache-dtype", "fp8"]) == 2
-    assert "kv_cache_dtype must be one of" in capsys.readouterr().err
+    assert main([*argv, *sizes, "--quiet", flag, "fp8"]) == 2
+    assert f"{field} must be one of" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()

@@ -3,11 +3,12 @@
 A projection against a float64 recompute of the same rounding (weights,
 biases and inputs rounded to bfloat16, the output rounded as the GEMM writes
 it), on oneDNN and on torch's fallback GEMM, with stale and packed copies;
-the one-op decode path bit for bit against the Python layer loop; the
-engine's logprobs against transformers with the same rounding (its
-projections replaced on a copy of the reference) and against float32, on every family and both
-kernel paths, also after a weight push; the copies' dtypes; and bad values
-refused before anything is built.
+skinny_linear_bf16 likewise; the one-op decode path bit for bit against the
+Python layer loop; the engine's logprobs against transformers with the same
+rounding (its projections replaced on a copy of the reference) and against
+float32, on every family and both kernel paths, also after a weight push;
+and the copies' dtypes. Bad values and the command-line flag are tested with
+the KV option's, in test_kv_cache_dtype.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout import SamplingParams
-from rollout.cli import main, parser
 from rollout.kernels.build import cpu_ops
 from rollout.model import decoder
 from rollout.model.linear import onednn_bf16 as onednn_bf16_here
@@ -179,36 +179,3 @@ def test_a_weight_push_serves_the_new_weights_rounded_alike(qwen2, onednn_bf16):
     to_reference, to_float32 = _mean_distances(engine, new_hf, bf16_matmul_reference(new_hf), PROMPTS, PARAMS)
     assert engine.model.packed.num_current == len(engine.model.packed.names)
     assert 3 * to_reference < to_float32, (to_reference, to_float32)
-
-
-@pytest.mark.parametrize(
-    "kwargs, error, message",
-    [
-        (dict(matmul_dtype="int8"), ValueError, "matmul_dtype must be one of"),
-        (dict(matmul_dtype=16), TypeError, "matmul_dtype must be a str or torch.dtype, got int"),
-        (dict(matmul_dtype="float16"), ValueError, r"matmul_dtype must be None or one of 'float32', 'bfloat16'"),
-        (dict(dtype="bfloat16", matmul_dtype="float32"), ValueError, r"one of 'bfloat16' for dtype torch.bfloat16"),
-    ],
-)
-def test_bad_matmul_dtypes_are_refused_by_name(qwen2, kwargs, error, message):
-    with pytest.raises(error, match=message):
-        make_engine(qwen2.path, **kwargs)
-
-
-def test_serve_and_generate_take_the_matmul_dtype(qwen2, tmp_path, capsys):
-    from rollout.server.run import build_backend
-
-    sizes = ["--max-seq-len", "64", "--kv-cache-tokens", "256", "--device", "cpu"]
-    backend = build_backend(
-        parser().parse_args(["serve", "--model", str(qwen2.path), *sizes, "--matmul-dtype", "bfloat16"])
-    )
-    try:
-        assert backend.engine.config.matmul_dtype == torch.bfloat16
-    finally:
-        backend.close()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("[1, 2, 3]\n")
-    argv = ["generate", "--model", str(qwen2.path), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]
-    assert main([*argv, *sizes, "--quiet", "--matmul-dtype", "fp8"]) == 2
-    assert "matmul_dtype must be one of" in capsys.readouterr().err
-    assert not (tmp_path / "o.jsonl").exists()
