@@ -309,15 +309,8 @@ def summarize(runs: dict[str, list[tuple[int, float]]], round_rates: list[dict[s
             "fraction_of_floor": statistics.median(fractions),
             "runs_fraction_of_floor": fractions,
         }
-    narrow = [r["bf16"]["flops_per_s"] / flops for r in round_rates]
-    per_s = results["engine_matmul_bf16"]["runs_tokens_per_s"]
-    results["bf16_floor"] = {
-        **sorted((r["bf16"] for r in round_rates), key=lambda f: f["flops_per_s"])[len(round_rates) // 2],
-        "tokens_per_s": statistics.median(narrow),
-    }
-    results["engine_matmul_bf16"]["fraction_of_bf16_floor"] = statistics.median(
-        r / f for r, f in zip(per_s, narrow, strict=True)
-    )
+    bf16_floors = [r["bf16"] for r in round_rates]
+    results["bf16_floor"] = bench_real.summarize_bf16_floor(bf16_floors, flops, results["engine_matmul_bf16"])
     if "transformers" in runs:
         engine, hf = results["engine"], results["transformers"]
         results["speedup_vs_transformers"] = engine["tokens_per_s"] / hf["tokens_per_s"]

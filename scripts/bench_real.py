@@ -243,23 +243,41 @@ def bf16_floor(config: dict, rows: int) -> dict:
     return gemm_floor(config, rows, narrow=LAYER_PROJECTIONS)
 
 
+def summarize_bf16_floor(floors: list[dict], flops_per_token: float, side: dict) -> dict:
+    """The median of the rounds' `bf16_floor`s with its tokens/s, and the
+    `matmul_dtype="bfloat16"` side's per-round rates against them (its
+    `fraction_of_bf16_floor`, set on `side`)."""
+    rates = [f["flops_per_s"] / flops_per_token for f in floors]
+    side["fraction_of_bf16_floor"] = statistics.median(
+        r / f for r, f in zip(side["runs_tokens_per_s"], rates, strict=True)
+    )
+    middle = sorted(floors, key=lambda f: f["flops_per_s"])[len(floors) // 2]
+    return {**middle, "tokens_per_s": statistics.median(rates)}
+
+
 def logprob_mismatch(engine: Engine, hf, prompts, params: SamplingParams, samples: int = 16) -> dict:
     """How far the engine's sampled-token logprobs lie from transformers' float32
     recompute (teacher-forced over prompt and response, float64 log-softmax): what
     a trainer sees between rollout and training logprobs. Over the first
     `samples` samples of one `generate`; `params` must report plain
     log-softmax logprobs (temperature 1, no filters)."""
-    outs = engine.generate(prompts, params)
+    every = sampled_logprob_diffs(hf, engine.generate(prompts, params), samples)
+    return {"mean_abs": every.mean().item(), "max_abs": every.max().item(), "tokens": every.numel()}
+
+
+def sampled_logprob_diffs(hf, outs, samples: int | None = None) -> torch.Tensor:
+    """|engine logprob - transformers logprob| (float64, on the CPU) of every sampled
+    token of the first `samples` samples of `outs` (all when None), the reference
+    teacher-forced over prompt and response on the device `hf` lives on."""
     pairs = [(o.prompt_token_ids, s) for o in outs for s in o.samples][:samples]
     diffs = []
     for prompt, sample in pairs:
-        ids = torch.tensor([prompt + sample.token_ids])
+        ids = torch.tensor([prompt + sample.token_ids], device=hf.device)
         with torch.no_grad():
-            logits = hf(ids).logits[0, len(prompt) - 1 : -1].double()
+            logits = hf(ids).logits[0, len(prompt) - 1 : -1].double().cpu()
         ref = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(sample.token_ids)[:, None]).squeeze(1)
         diffs.append((torch.tensor(sample.logprobs, dtype=torch.float64) - ref).abs())
-    every = torch.cat(diffs)
-    return {"mean_abs": every.mean().item(), "max_abs": every.max().item(), "tokens": every.numel()}
+    return torch.cat(diffs)
 
 
 def print_mismatch(sides: dict) -> None:
@@ -318,7 +336,6 @@ def run(repeats: int, skip_hf: bool, real: bool | None = None) -> dict:
     per_token = 2 * sum(o * i * c for o, i, c in projection_shapes(SMOLLM2).values())
     per_token += attention_flops(SMOLLM2, context)
     floor_rates = [f["flops_per_s"] / per_token for f in floors]
-    narrow_rates = [f["flops_per_s"] / per_token for f in narrow_floors]
     results: dict = {
         "model": workload.name,
         "path_is_real_model": workload.real,
@@ -338,14 +355,7 @@ def run(repeats: int, skip_hf: bool, real: bool | None = None) -> dict:
             "fraction_of_floor": statistics.median(r / f for r, f in zip(per_s, floor_rates, strict=True)),
             "tokens": measured[0][0],
         }
-    per_s = results["engine_matmul_bf16"]["runs_tokens_per_s"]
-    results["bf16_floor"] = {
-        **sorted(narrow_floors, key=lambda f: f["flops_per_s"])[len(narrow_floors) // 2],
-        "tokens_per_s": statistics.median(narrow_rates),
-    }
-    results["engine_matmul_bf16"]["fraction_of_bf16_floor"] = statistics.median(
-        r / f for r, f in zip(per_s, narrow_rates, strict=True)
-    )
+    results["bf16_floor"] = summarize_bf16_floor(narrow_floors, per_token, results["engine_matmul_bf16"])
     if hf is not None:
         results["speedup_vs_transformers"] = results["engine"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
         results["logprob_mismatch"] = {

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from rollout import Engine, SamplingParams
+from scripts import bench_real
 from scripts.bench import (  # the bench-25m workload and its timers
     BENCH_25M,
     STOP_IDS,
@@ -71,7 +72,7 @@ def parity(root: Path, device: torch.device, config: dict) -> dict:
     kw = dict(device=device, dtype="bfloat16", max_batch_size=32, max_seq_len=256, kv_cache_tokens=8192)
     graphed = Engine(path, decode_graphs="cuda" if device.type == "cuda" else "eager", **kw)
     outs = graphed.generate(prompts, params)
-    errors = logprob_errors(hf, outs, device)
+    errors = bench_real.sampled_logprob_diffs(hf, outs)
     # Replays against the same padded steps without capture (on a GPU: must be
     # identical), and against plain unpadded steps (equal up to rounding, so
     # bf16 samples may part ways after a near tie).
@@ -86,27 +87,11 @@ def parity(root: Path, device: torch.device, config: dict) -> dict:
         ]
         compared[f"graph_vs_{name}_identical_samples"] = f"{sum(same)}/{len(same)}"
     return {
-        "bf16_mean_abs_dlogprob": statistics.fmean(errors),
-        "bf16_max_abs_dlogprob": max(errors),
+        "bf16_mean_abs_dlogprob": errors.mean().item(),
+        "bf16_max_abs_dlogprob": errors.max().item(),
         **compared,
         **graph_report(graphed),
     }
-
-
-def logprob_errors(hf, outs, device: torch.device) -> list[float]:
-    """|engine logprob - transformers logprob| of every sampled token, the
-    reference teacher-forced on the prompt and the sample."""
-    errors = []
-    for out in outs:
-        for s in out.samples:
-            ids = torch.tensor([out.prompt_token_ids + s.token_ids], device=device)
-            with torch.no_grad():
-                logits = hf(ids).logits[0].float()
-            start = len(out.prompt_token_ids) - 1
-            ref = torch.log_softmax(logits, -1)[start : start + len(s.token_ids)]
-            ref = ref.gather(1, torch.tensor(s.token_ids, device=device)[:, None]).squeeze(1).cpu()
-            errors.extend((ref - torch.tensor(s.logprobs)).abs().tolist())
-    return errors
 
 
 def kv_bf16(root: Path, device: torch.device, config: dict) -> dict:
@@ -122,9 +107,9 @@ def kv_bf16(root: Path, device: torch.device, config: dict) -> dict:
     options["bfloat16_matmul"] = {"matmul_dtype": "bfloat16"}
     for name, option in options.items():
         engine = Engine(path, device=device, max_batch_size=16, max_seq_len=256, **option)
-        errors = logprob_errors(hf, engine.generate(prompts, params), device)
-        out[f"{name}_mean_abs_dlogprob"] = statistics.fmean(errors)
-        out[f"{name}_max_abs_dlogprob"] = max(errors)
+        errors = bench_real.sampled_logprob_diffs(hf, engine.generate(prompts, params))
+        out[f"{name}_mean_abs_dlogprob"] = errors.mean().item()
+        out[f"{name}_max_abs_dlogprob"] = errors.max().item()
     return out
 
 

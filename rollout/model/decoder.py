@@ -69,7 +69,8 @@ class Model(nn.Module):
     float32. Everything else stays float32: embeddings, norms, the residual
     stream, rotary, attention, and the LM head, whose logits a bfloat16 output
     would round by up to 1/32 at magnitudes near 10. On CPUs with bfloat16
-    instructions oneDNN runs those GEMMs at about twice its float32 rate.
+    instructions oneDNN runs those GEMMs faster than float32 ones (figures in
+    docs/benchmarks.md).
     """
 
     def __init__(
@@ -137,11 +138,11 @@ class Model(nn.Module):
         multiplies them). None when there are none: the GEMMs take the live weights."""
         projections = dict(p for layer in self._projections for p in layer)
         narrow = frozenset(projections) if self._narrow else frozenset()
-        packed = frozenset()
-        if pack:
-            packed = frozenset([self._head[0], *(projections if self._narrow_onednn or not narrow else ())])
+        packed = {self._head[0]} if pack else set()
+        if pack and (self._narrow_onednn or not self._narrow):
+            packed.update(projections)
         params = {name: w for name, w in [*projections.items(), self._head] if name in packed | narrow}
-        return PackedWeights(params, packed, narrow, self._matmul_dtype) if params else None
+        return PackedWeights(params, frozenset(packed), narrow, self._matmul_dtype) if params else None
 
     def _weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """The tensor a GEMM multiplies by for the parameter `name` (`weight`): its

@@ -59,6 +59,14 @@ def test_the_bf16_floor_times_the_layer_projections_in_bfloat16(monkeypatch):
     assert timed == [torch.bfloat16] * 4 + [torch.float32]  # qkv, o_proj, gate_up, down; the LM head
 
 
+def test_the_bf16_floor_summary_by_hand():
+    floors = [{"flops_per_s": 300.0, "r": 1}, {"flops_per_s": 100.0, "r": 2}, {"flops_per_s": 200.0, "r": 3}]
+    side = {"runs_tokens_per_s": [9.0, 5.0, 16.0]}  # against 30, 10 and 20 tokens/s: 0.3, 0.5, 0.8
+    summary = bench_real.summarize_bf16_floor(floors, 10.0, side)
+    assert summary == {"flops_per_s": 200.0, "r": 3, "tokens_per_s": 20.0}
+    assert side["fraction_of_bf16_floor"] == 0.5
+
+
 def test_profile_splits_a_generate_by_op(qwen2, capsys):
     engine = make_engine(qwen2.path)
     params = SamplingParams(n=4, max_tokens=12, ignore_eos=True, seed=0)

@@ -23,10 +23,10 @@
 // prefetches a few tokens of the thread's next item (its first kLeadBytes), so
 // DRAM streams the next sequence while this one computes (measured with
 // scripts/bench_attention.py; figures in docs/benchmarks.md). AVX2 builds
-// without AVX-512 (Zen 3, say) take the same loop in 256-bit registers: eight tokens per reduction,
-// pass 2 a cache line of each value row at a time (16 registers hold no more
-// accumulators), and the first query head loads the value records instead of
-// prefetching them (see decode_avx2).
+// without AVX-512 (Zen 3, say) take the same loop in 256-bit registers:
+// eight tokens per reduction, pass 2 a cache line of each value row at a time
+// (16 registers hold no more accumulators), and the first query head loads
+// the value records instead of prefetching them (see decode_avx2).
 //
 // The intrinsics loops beat the portable one at every batch shape measured,
 // most of all with few rows or with the KV in cache (the AVX2 loop by only a
