@@ -75,3 +75,8 @@ def test_no_source_file_over_400_lines():
         str(p.relative_to(ROOT)): n for p in _sources(*PACKAGES) if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+def test_readme_stays_short():
+    """The README opens the project in one screenful or two; detail lives in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 160
