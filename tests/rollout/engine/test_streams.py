@@ -1,5 +1,6 @@
 """`Engine.stream`: a prompt's samples token by token, in sync and async
-code; the deltas concatenate to what `generate` returns for the same seed;
+code; the deltas concatenate to what `generate` returns for the same seed,
+and, honouring `restarted`, to the final output across `restart` commits;
 cancel aborts and frees the KV."""
 
 from __future__ import annotations

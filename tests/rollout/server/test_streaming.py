@@ -1,6 +1,7 @@
 """Incremental detokenisation against decoding the whole sequence: the
 character tokenizer, and SmolLM2's byte-level BPE on random tokens (split
-multi-byte characters included)."""
+multi-byte characters included); a streamed completion's text and
+`text_offset`s starting over when a `restart` commit restarts its choice."""
 
 from __future__ import annotations
 
