@@ -45,6 +45,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_text_end: int | None = None  # text cut where a stop string began
     admitted_at: int = -1  # admission counter: larger = younger, preempted first
+    num_restarts: int = 0  # times its outputs were dropped to start over (a `restart` commit)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -86,6 +87,9 @@ class Sequence:
             self.top_logprobs.append(top)
 
     def reset_outputs(self) -> None:
+        """Drop the outputs to start over; `num_restarts` tells a stream that they went,
+        however many tokens the sample has sampled again by the time it looks."""
+        self.num_restarts += 1
         del self.token_ids[self.num_prompt_tokens :]
         self.kv_high_water = min(self.kv_high_water, self.num_prompt_tokens)
         self.logprobs.clear()

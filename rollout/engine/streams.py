@@ -46,15 +46,18 @@ class StreamCursor:
         self.request = request
         self.sent = [0] * len(request.samples)
         self.ended = [False] * len(request.samples)
+        # A restart is read from the sample's counter, not its length: by the time the
+        # stream looks, the sample may have sampled as many tokens again, or more.
+        self.restarts = [s.num_restarts for s in request.samples]
 
     def deltas(self) -> list[SampleDelta]:
         out = []
         for k, s in enumerate(self.request.samples):
             if self.ended[k]:
                 continue
-            n, total = self.sent[k], s.num_output_tokens
-            restarted = total < n
-            start = 0 if restarted else n
+            restarted = s.num_restarts != self.restarts[k] and self.sent[k] > 0  # else nothing to take back
+            start, total = 0 if restarted else self.sent[k], s.num_output_tokens
+            self.restarts[k] = s.num_restarts
             if total > start or s.is_finished or restarted:
                 p = s.num_prompt_tokens
                 out.append(

@@ -36,9 +36,15 @@ async def events(reply: Reply, streams: list[TokenStream], metrics: Metrics) -> 
                 last = item.finish_reason is not None
                 sample = texts[c]
                 text = sample.restart(item.token_ids, last) if item.restarted else sample.add(item.token_ids, last)
-                chunk = reply.chunk(c, text, item.token_ids, item.logprobs, item.versions, top=item.top_logprobs)
-                if item.restarted:
-                    chunk["choices"][0]["restarted"] = True
+                chunk = reply.chunk(
+                    c,
+                    text,
+                    item.token_ids,
+                    item.logprobs,
+                    item.versions,
+                    top=item.top_logprobs,
+                    restarted=item.restarted,
+                )
                 metrics.completion_tokens += len(item.token_ids)
                 yield sse(chunk)
             else:

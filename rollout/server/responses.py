@@ -68,11 +68,18 @@ class Reply:
         versions: Sequence[int] = (),
         first: bool = False,
         top: Sequence[Sequence[tuple[int, float]]] = (),
+        restarted: bool = False,
     ) -> dict:
-        """A chunk of choice `index`: its new text and the tokens since its last chunk."""
+        """A chunk of choice `index`: its new text and the tokens since its last chunk.
+        `restarted`: the choice started over (a `restart` weight commit), and this
+        chunk says so; its text and its tokens' `text_offset`s start over from 0."""
         if versions:
             self.version = max(self.version, max(versions))
+        if restarted:
+            self.offsets.pop(index, None)
         choice = self._choice(index, text, token_ids, logprobs, versions, "role" if first else "delta", top)
+        if restarted:
+            choice["restarted"] = True
         return self._head("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def last_chunk(self, index: int, text: str, finish_reason: str, out: RolloutOutput) -> dict:

@@ -1,5 +1,6 @@
 """`Engine.stream`: a prompt's samples token by token, in sync and async
-code; the deltas concatenate to what `generate` returns for the same seed;
+code; the deltas concatenate to what `generate` returns for the same seed,
+and, honouring `restarted`, to the final output across `restart` commits;
 cancel aborts and frees the KV."""
 
 from __future__ import annotations
@@ -7,9 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollout import RolloutOutput, SamplingParams
-from rollout.engine.streams import SampleDelta
+from rollout.engine.streams import SampleDelta, StreamCursor
 from tests.conftest import make_engine
 
 PARAMS = SamplingParams(n=3, max_tokens=12, ignore_eos=True, seed=5)
@@ -85,3 +88,101 @@ async def _iterate_sync(engine):
         list(stream)
     finally:
         stream.cancel()
+
+
+# -- restart commits ---------------------------------------------------------------------
+# The background driver's two halves, stepping and reading a stream's cursor, run
+# here by hand in a chosen order, with `restart` commits between them: a stream
+# read after every step of its own may still see another caller's steps first.
+
+RESTART_PARAMS = SamplingParams(n=2, max_tokens=5, ignore_eos=True, seed=5)
+
+
+class _Stepped:
+    """One request stepped by hand; its cursor's deltas are read when the test says,
+    and applied as a client would: a `restarted` delta replaces what came before."""
+
+    def __init__(self, engine, checkpoint) -> None:
+        self.engine, self.norm = engine, checkpoint.hf.state_dict()["model.norm.weight"]
+        (self.request,) = engine._requests([PROMPT], RESTART_PARAMS)
+        with engine._guard.held():
+            engine.scheduler.add(self.request)
+        self.cursor = StreamCursor(self.request)
+        self.received = [([], [], []) for _ in range(RESTART_PARAMS.n)]
+
+    def step(self) -> None:
+        if not self.request.is_finished:
+            self.engine._one_step({0: self.request})
+
+    def observe(self) -> None:
+        with self.engine._guard.held():
+            deltas = self.cursor.deltas()
+        for d in deltas:
+            for got, new in zip(self.received[d.index], (d.token_ids, d.logprobs, d.versions), strict=True):
+                if d.restarted:
+                    got.clear()
+                got += new
+
+    def restart(self) -> None:
+        """Commit other weights (each push scales the final norm anew), starting in-flight samples over."""
+        scale = 1.0 + 0.5 * (self.engine.policy_version + 1)
+        self.engine.update_weights({"model.norm.weight": self.norm * scale}, inflight="restart")
+
+    def finish_and_check(self) -> None:
+        while not self.request.is_finished:
+            self.step()
+            self.observe()
+        self.observe()
+        final = self.request.result().samples
+        assert self.received == [(list(s.token_ids), list(s.logprobs), list(s.versions)) for s in final]
+        assert all(len(s.token_ids) == RESTART_PARAMS.max_tokens for s in final)
+
+
+@pytest.fixture(scope="module")
+def restart_engine(qwen2):
+    engine = make_engine(qwen2.path)
+    yield engine
+    engine.close()
+
+
+def test_a_restart_right_after_the_first_token_is_flagged(qwen2, restart_engine):
+    run = _Stepped(restart_engine, qwen2)
+    run.step()
+    run.observe()
+    assert [len(ids) for ids, _, _ in run.received] == [1, 1]
+    run.restart()
+    run.step()  # the re-prefill samples one token again: as many as were sent
+    run.observe()
+    assert [v for _, _, v in run.received] == [[restart_engine.policy_version]] * 2  # the stale token retracted
+    run.finish_and_check()
+
+
+def test_a_restart_seen_only_after_further_steps_is_flagged(qwen2, restart_engine):
+    run = _Stepped(restart_engine, qwen2)
+    for _ in range(3):
+        run.step()
+    run.observe()
+    run.restart()
+    for _ in range(4):  # other callers' steps: the new output outgrows what was sent before it is read
+        run.step()
+    run.observe()
+    assert all(v == [restart_engine.policy_version] * 4 for _, _, v in run.received)
+    run.finish_and_check()
+
+
+# A round: some steps, then maybe a read of the stream, then maybe a restart commit.
+_ROUNDS = st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.booleans()), min_size=1, max_size=5)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(_ROUNDS)
+def test_deltas_concatenate_to_the_output_across_any_interleaving_of_restarts(qwen2, restart_engine, rounds):
+    run = _Stepped(restart_engine, qwen2)
+    for steps, observe, restart in rounds:
+        for _ in range(steps):
+            run.step()
+        if observe:
+            run.observe()
+        if restart:
+            run.restart()
+    run.finish_and_check()

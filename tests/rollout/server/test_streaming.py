@@ -1,15 +1,22 @@
 """Incremental detokenisation against decoding the whole sequence: the
 character tokenizer, and SmolLM2's byte-level BPE on random tokens (split
-multi-byte characters included)."""
+multi-byte characters included); a streamed completion's text and
+`text_offset`s starting over when a `restart` commit restarts its choice."""
 
 from __future__ import annotations
 
+import json
 import random
 
+import httpx
 import pytest
+import torch
 
+from rollout.server import EngineBackend, ServerConfig, start_server
 from rollout.server.streaming import SampleText
 from rollout.tokenizer import TextCodec, find_stop
+from tests.conftest import make_engine
+from tests.rollout.server.conftest import SIZES
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +70,45 @@ def test_a_partial_character_is_held_back(smol_codec):
     text = SampleText(smol_codec.decode, None)
     assert text.add(tuple(ids[:-1])) == ""
     assert text.add(tuple(ids[-1:])) == "🌍"
+
+
+class RestartAfter:
+    """A step callback: after the engine's `step`-th step (tokens so far pushed to the
+    stream), commit other weights with inflight="restart", between two steps."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.count, self.engine = step, 0, None
+
+    def __call__(self, info) -> None:
+        self.count += 1
+        if self.count == self.step:
+            norm = torch.full((self.engine.model_config.hidden_size,), 2.0)
+            self.engine.update_weights({"model.norm.weight": norm}, inflight="restart")
+
+
+def test_text_offsets_start_over_with_a_restarted_choice(tiny_path):
+    """A `restart` commit after a choice's fourth token: its next chunk is marked
+    `restarted`, and the completion's text and `text_offset`s both start over."""
+    hook = RestartAfter(4)
+    engine = hook.engine = make_engine(tiny_path, **SIZES, step_callback=hook)
+    server = start_server(EngineBackend(engine), ServerConfig("tiny", max_n=1, max_tokens=16), port=0)
+    body = {"prompt": "versions", "max_tokens": 10, "ignore_eos": True, "seed": 3, "logprobs": 1, "stream": True}
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    finally:
+        server.stop()
+        engine.close()
+    choices = [c["choices"][0] for c in chunks]
+    (at,) = [i for i, c in enumerate(choices) if c.get("restarted")]
+    before, after = _tokens_and_offsets(choices[:at]), _tokens_and_offsets(choices[at:])
+    for (tokens, offsets), count in ((before, 4), (after, 10)):
+        assert len(tokens) == count and offsets == [sum(map(len, tokens[:i])) for i in range(count)]
+    text = "".join(c["text"] for c in choices[at:])  # the whole text after the restart: each token at its offset
+    assert all(text[o : o + len(t)] == t for t, o in zip(*after, strict=True))
+    assert choices[at]["policy_versions"] == [1] and choices[-1]["finish_reason"] == "length"
+
+
+def _tokens_and_offsets(choices: list[dict]) -> tuple[list[str], list[int]]:
+    tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
+    return tokens, [o for c in choices for o in c["logprobs"]["text_offset"]]
