@@ -18,7 +18,7 @@ from rollout.episodes import Episode, check_episode_args
 from .alarm import MismatchAlarm
 from .batch import RolloutBatch
 from .corrections import correction_weights
-from .group_collector import EngineRun, GroupCollector
+from .group_collector import EngineRun, Group, GroupCollector, GroupSource
 from .logprobs import token_logprobs
 from .names import export_state_dict
 from .staleness import StalenessPolicy
@@ -82,7 +82,10 @@ class TrainerBridge:
         self.alarm = MismatchAlarm() if alarm is None else alarm
         self.last_push_seconds: float | None = None
         self.last_push_pause: float | None = None  # longest step gap across the last push (with metrics)
-        self._carry: list[tuple] = []  # sources kept running by collect(leftover="keep"), with their prompts
+        # What the next group collect reads first: groups a failed collect gave back or
+        # collect(leftover="keep") left unread, and the sources still running for it.
+        self._ready: list[Group] = []
+        self._carry: list[GroupSource] = []
 
     @property
     def dtype(self) -> torch.dtype:
@@ -221,31 +224,63 @@ class TrainerBridge:
         def is_stale(out: RolloutOutput) -> bool:
             return bound is not None and any(current - v > bound for s in out.samples for v in s.versions)
 
-        def more(want: int) -> tuple:
+        def more(want: int) -> GroupSource:
             prompts = list(refill(want))
-            return self.submit(prompts, pending.params).source, prompts
+            return GroupSource(self.submit(prompts, pending.params).source, prompts, pending.params)
 
         collector = GroupCollector(k, keep_group, is_stale, more if refill is not None else None, max_refills)
-        sources, self._carry = [*self._carry, (pending.source, list(pending.prompts))], []
-        outputs, prompts, leftovers = collector.collect(sources, timeout)
-        waiting = sum(source.remaining for source, _ in leftovers)
-        if leftover == "abort":
-            for source, _ in leftovers:
-                source.abort()  # its outputs still arrive, unread: the KV is what matters
-            collector.stats["aborted_groups"] = waiting
-        else:
-            self._carry = leftovers
-        collector.stats["carried_groups"] = waiting if leftover == "keep" else 0
-        if not outputs:
+        try:
+            groups = collector.collect(self._ready, self._sources_with(pending), timeout)
+        except BaseException:  # a retry finds everything where this collect found it
+            self._ready, self._carry = collector.unread(), collector.live()
+            self._log_collect(collector.stats)  # what it dropped stays dropped
+            raise
+        self._settle_leftovers(collector, leftover)
+        self._log_collect(collector.stats)
+        if not groups:
             raise ValueError(f"no prompt group passed after {collector.stats}; loosen keep_group or give refill")
-        for out in outputs:
-            out.index = None  # groups are numbered in batch order
-        batch = RolloutBatch.from_outputs(outputs, pending.params, current, self.pad_token_id)
-        batch.prompts, batch.collect_stats = prompts, dict(collector.stats)
+        for g in groups:
+            g.output.index = None  # groups are numbered in batch order
+        outputs = [g.output for g in groups]
+        batch = RolloutBatch.from_outputs(outputs, [g.params for g in groups], current, self.pad_token_id)
+        batch.prompts, batch.collect_stats = [g.prompt for g in groups], dict(collector.stats)
         if self.metrics is not None:
             self._log_batch(batch, pending, collector.stats["dropped_groups"] + collector.stats["stale_groups"])
-            self._log({f"rollout/{name}": value for name, value in collector.stats.items()})
         return batch
+
+    def abort_carried(self) -> int:
+        """Abort every source a collect left running for the next one (`leftover="keep"`
+        or a timeout) and forget the finished groups it left unread, e.g. when
+        training ends; returns how many groups that drops."""
+        dropped = sum(s.source.remaining for s in self._carry) + len(self._ready)
+        for s in self._carry:
+            s.source.abort()
+        self._ready, self._carry = [], []
+        return dropped
+
+    def _log_collect(self, stats: dict) -> None:
+        if self.metrics is not None:  # every collect's drops, one that raised included
+            self._log({f"rollout/{name}": value for name, value in stats.items()})
+
+    def _sources_with(self, pending: PendingRollout) -> list[GroupSource]:
+        """The carried sources, then `pending`'s unless it is among them (a retry after a timeout)."""
+        if any(c.source is pending.source for c in self._carry):
+            return list(self._carry)
+        return [*self._carry, GroupSource(pending.source, list(pending.prompts), pending.params)]
+
+    def _settle_leftovers(self, collector: GroupCollector, leftover: str) -> None:
+        """Abort what the batch did not take, or carry it (unread groups and
+        running sources, each with its own settings) into the next collect."""
+        live, unread = collector.live(), list(collector.ready)
+        waiting = sum(s.source.remaining for s in live) + len(unread)
+        self._ready, self._carry = [], []
+        if leftover == "abort":
+            for s in live:
+                s.source.abort()  # its outputs still arrive, unread: the KV is what matters
+            collector.stats["aborted_groups"] = waiting
+        else:
+            self._ready, self._carry = unread, live
+        collector.stats["carried_groups"] = waiting if leftover == "keep" else 0
 
     def _collect_episodes(self, pending: PendingEpisodes, timeout: float | None) -> RolloutBatch:
         """Episodes cannot be regenerated (their environments moved on): a group
