@@ -7,6 +7,7 @@ KV is freed; carried groups arrive in the next batch."""
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import pytest
@@ -61,6 +62,35 @@ def test_leftover_keep_carries_groups_into_the_next_batch(qwen2):
     carried = [p for p in second.prompts if p in PROMPTS]
     assert len(carried) == 3 and not set(map(tuple, carried)) & set(map(tuple, first.prompts))
     _wait_free(engine)
+
+
+class HoldAfterFirstFinish:
+    """A step callback that holds the engine at the step after the first sequence
+    finished (its output is out by then) until `release` is set."""
+
+    def __init__(self, sequences: int) -> None:
+        self.sequences, self.finished = sequences, False
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, info) -> None:
+        if self.finished and not self.holding.is_set():
+            self.holding.set()
+            assert self.release.wait(60), "the test never released the engine"
+        self.finished |= info.num_waiting == 0 and info.num_running < self.sequences
+
+
+def test_a_timed_out_collect_loses_no_group(qwen2):
+    """The engine holds with some groups finished; a collect for all of them times
+    out; the retry returns every group, those the first one had read included."""
+    hold = HoldAfterFirstFinish(len(PROMPTS))
+    bridge = TrainerBridge(make_engine(qwen2.path, step_callback=hold))
+    pending = bridge.submit(PROMPTS, SamplingParams(n=1, max_tokens=40, stop_token_ids=[7, 8, 9], seed=1))
+    assert hold.holding.wait(60)
+    with pytest.raises(TimeoutError):
+        bridge.collect(pending, timeout=0.4, min_groups=len(PROMPTS))
+    hold.release.set()
+    batch = bridge.collect(pending, timeout=60, min_groups=len(PROMPTS))
+    assert sorted(batch.prompts) == sorted(PROMPTS) and len(batch) == len(PROMPTS)
 
 
 def _reference_logprobs(model, batch, row: int, settings: list[SamplingParams]) -> list[torch.Tensor]:
