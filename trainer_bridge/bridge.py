@@ -183,7 +183,15 @@ class TrainerBridge:
         the groups it rejects (e.g. all-equal rewards); `refill(n)` gives more
         prompts when the submitted ones run out before k groups pass. The
         batch's `prompts` names each group's prompt, `collect_stats` what was
-        dropped, aborted, carried and refilled.
+        dropped, aborted, carried and refilled. Every row keeps the settings
+        its group was sampled with: a group carried from an earlier step keeps
+        that step's `SamplingParams`, a refill takes `pending`'s.
+
+        A group collect that raises (`TimeoutError` past `timeout`) loses
+        nothing: the groups it had read wait, finished, for the next collect
+        (retry with the same `pending`), which reads them first (staleness and
+        `keep_group` checked again), and carried sources run on. Groups it
+        found stale or rejected stay dropped.
         """
         if isinstance(pending, PendingEpisodes):
             return self._collect_episodes(pending, timeout)
