@@ -198,6 +198,7 @@ class TrainerBridge:
         if min_groups is not None or keep_group is not None:
             return self._collect_groups(pending, timeout, min_groups, leftover, keep_group, refill, max_refills)
         outputs = pending.result(timeout)
+        self._forget(pending.source)  # a timed-out group collect left it for a retry: delivered here instead
         submitted = len(outputs)
         for _ in range(self.policy.max_regenerations + 1):
             current = self.policy_version
@@ -265,6 +266,10 @@ class TrainerBridge:
             s.source.abort()
         self._ready, self._carry = [], []
         return dropped
+
+    def _forget(self, source) -> None:
+        self._ready = [g for g in self._ready if g.source is not source]
+        self._carry = [c for c in self._carry if c.source is not source]
 
     def _log_collect(self, stats: dict) -> None:
         if self.metrics is not None:  # every collect's drops, one that raised included

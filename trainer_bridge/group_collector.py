@@ -72,6 +72,10 @@ class GroupSource(NamedTuple):
     prompts: list  # the prompts as submitted, by output index
     params: SamplingParams  # the settings its groups are sampled with
 
+    def group(self, out: RolloutOutput) -> Group:
+        """`out`, one of this source's outputs, with its prompt and settings."""
+        return Group(out, self.prompts[out.index], self.params, self.source)
+
 
 class Group(NamedTuple):
     """A finished prompt group, with what a batch row needs to know about it."""
@@ -79,6 +83,7 @@ class Group(NamedTuple):
     output: RolloutOutput
     prompt: object  # the prompt as submitted
     params: SamplingParams  # the settings it was sampled with (rows are recomputed under them)
+    source: object  # the source it came from
 
 
 class GroupCollector:
@@ -153,12 +158,12 @@ class GroupCollector:
         for s in live:  # anything finished already, oldest source first
             out = s.source.next_output(0)
             if out is not None:
-                self.ready.append(Group(out, s.prompts[out.index], s.params))
+                self.ready.append(s.group(out))
                 return True
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"fewer than {self.min_groups} groups finished within {timeout} s")
         s = live[-1]
         out = s.source.next_output(POLL_S)
         if out is not None:
-            self.ready.append(Group(out, s.prompts[out.index], s.params))
+            self.ready.append(s.group(out))
         return out is not None

@@ -32,6 +32,7 @@ class ScriptedSource:
         self.prompts, self.params = prompts, params
         self.unfinished = list(range(len(prompts)))
         self.finished_at: dict[int, int] = {}  # group -> the policy version it finished at
+        self.outputs: dict[int, RolloutOutput] = {}
         self.handed_out: list[int] = []  # groups next_output gave away, in order
         self.aborted = False
         self.remaining = len(prompts)
@@ -42,7 +43,8 @@ class ScriptedSource:
         self.unfinished.remove(i)
         self.finished_at[i] = version
         sample = Sample([5], [-0.5], [version], reason)
-        self._queue.append(RolloutOutput(list(self.prompts[i]), [sample], index=i))
+        self.outputs[i] = RolloutOutput(list(self.prompts[i]), [sample], index=i)
+        self._queue.append(self.outputs[i])
 
     def finish_all(self, version: int) -> None:
         for i in list(self.unfinished):
@@ -58,7 +60,11 @@ class ScriptedSource:
         return out
 
     def result(self, timeout: float | None = None) -> list[RolloutOutput]:
-        raise AssertionError("group collects read outputs as they finish, never all at once")
+        """Every output in prompt order (a plain collect), read or not by next_output."""
+        if self.unfinished:
+            self._nothing.wait(timeout)
+            raise TimeoutError(f"rollouts not finished after {timeout} s")
+        return [self.outputs[i] for i in range(len(self.prompts))]
 
     def abort(self) -> None:
         if not self.aborted:
@@ -142,6 +148,19 @@ def test_a_timed_out_collect_keeps_the_carry(script):
     assert sorted(_ids(batch)) == [2, 3, 4, 5]
     by_id = dict(zip(_ids(batch), batch.temperature[batch.sample_index == 0].tolist(), strict=True))
     assert by_id == pytest.approx({2: 0.6, 3: 0.6, 4: 1.0, 5: 1.0})  # each group's own settings
+
+
+def test_a_plain_collect_after_a_timed_out_one_takes_its_groups_from_the_carry(script):
+    s = script()
+    pending = s.submit(s.new_prompts(3))
+    pending.source.finish(0, s.version)
+    with pytest.raises(TimeoutError):
+        s.bridge.collect(pending, timeout=TIMEOUT_S, min_groups=3)
+    pending.source.finish_all(s.version)
+    assert s.bridge.collect(pending, timeout=TIMEOUT_S).group_index.tolist() == [0, 1, 2]
+    later = s.submit(s.new_prompts(1))
+    later.source.finish_all(s.version)
+    assert _ids(s.bridge.collect(later, timeout=TIMEOUT_S, min_groups=4)) == [3]  # none of 0-2 again
 
 
 def test_abort_carried_ends_what_collect_left_running(script):
