@@ -17,8 +17,9 @@ from rollout.episodes import Episode, check_episode_args
 
 from .alarm import MismatchAlarm
 from .batch import RolloutBatch
+from .carry import Carry
 from .corrections import correction_weights
-from .group_collector import EngineRun, Group, GroupCollector, GroupSource
+from .group_collector import EngineRun, GroupCollector, GroupSource
 from .logprobs import token_logprobs
 from .names import export_state_dict
 from .staleness import StalenessPolicy
@@ -82,10 +83,7 @@ class TrainerBridge:
         self.alarm = MismatchAlarm() if alarm is None else alarm
         self.last_push_seconds: float | None = None
         self.last_push_pause: float | None = None  # longest step gap across the last push (with metrics)
-        # What the next group collect reads first: groups a failed collect gave back or
-        # collect(leftover="keep") left unread, and the sources still running for it.
-        self._ready: list[Group] = []
-        self._carry: list[GroupSource] = []
+        self._carry = Carry()  # what the last group collect left to the next one
 
     @property
     def dtype(self) -> torch.dtype:
@@ -198,7 +196,7 @@ class TrainerBridge:
         if min_groups is not None or keep_group is not None:
             return self._collect_groups(pending, timeout, min_groups, leftover, keep_group, refill, max_refills)
         outputs = pending.result(timeout)
-        self._forget(pending.source)  # a timed-out group collect left it for a retry: delivered here instead
+        self._carry.forget(pending.source)  # a timed-out group collect left it for a retry: delivered here
         submitted = len(outputs)
         for _ in range(self.policy.max_regenerations + 1):
             current = self.policy_version
@@ -238,13 +236,16 @@ class TrainerBridge:
             return GroupSource(self.submit(prompts, pending.params).source, prompts, pending.params)
 
         collector = GroupCollector(k, keep_group, is_stale, more if refill is not None else None, max_refills)
+        mine = GroupSource(pending.source, list(pending.prompts), pending.params)
         try:
-            groups = collector.collect(self._ready, self._sources_with(pending), timeout)
+            groups = collector.collect(self._carry.ready, self._carry.sources_with(mine), timeout)
         except BaseException:  # a retry finds everything where this collect found it
-            self._ready, self._carry = collector.unread(), collector.live()
+            self._carry.keep_all(collector)
             self._log_collect(collector.stats)  # what it dropped stays dropped
             raise
-        self._settle_leftovers(collector, leftover)
+        waiting = self._carry.settle(collector, leftover)
+        collector.stats["aborted_groups"] = waiting if leftover == "abort" else 0
+        collector.stats["carried_groups"] = waiting if leftover == "keep" else 0
         self._log_collect(collector.stats)
         if not groups:
             raise ValueError(f"no prompt group passed after {collector.stats}; loosen keep_group or give refill")
@@ -258,42 +259,14 @@ class TrainerBridge:
         return batch
 
     def abort_carried(self) -> int:
-        """Abort every source a collect left running for the next one (`leftover="keep"`
-        or a timeout) and forget the finished groups it left unread, e.g. when
-        training ends; returns how many groups that drops."""
-        dropped = sum(s.source.remaining for s in self._carry) + len(self._ready)
-        for s in self._carry:
-            s.source.abort()
-        self._ready, self._carry = [], []
-        return dropped
-
-    def _forget(self, source) -> None:
-        self._ready = [g for g in self._ready if g.source is not source]
-        self._carry = [c for c in self._carry if c.source is not source]
+        """Abort every source a group collect left running for the next one
+        (`leftover="keep"` or a timeout) and drop the finished groups it left
+        unread, e.g. when training ends; returns how many groups that drops."""
+        return self._carry.abort()
 
     def _log_collect(self, stats: dict) -> None:
         if self.metrics is not None:  # every collect's drops, one that raised included
             self._log({f"rollout/{name}": value for name, value in stats.items()})
-
-    def _sources_with(self, pending: PendingRollout) -> list[GroupSource]:
-        """The carried sources, then `pending`'s unless it is among them (a retry after a timeout)."""
-        if any(c.source is pending.source for c in self._carry):
-            return list(self._carry)
-        return [*self._carry, GroupSource(pending.source, list(pending.prompts), pending.params)]
-
-    def _settle_leftovers(self, collector: GroupCollector, leftover: str) -> None:
-        """Abort what the batch did not take, or carry it (unread groups and
-        running sources, each with its own settings) into the next collect."""
-        live, unread = collector.live(), list(collector.ready)
-        waiting = sum(s.source.remaining for s in live) + len(unread)
-        self._ready, self._carry = [], []
-        if leftover == "abort":
-            for s in live:
-                s.source.abort()  # its outputs still arrive, unread: the KV is what matters
-            collector.stats["aborted_groups"] = waiting
-        else:
-            self._ready, self._carry = unread, live
-        collector.stats["carried_groups"] = waiting if leftover == "keep" else 0
 
     def _collect_episodes(self, pending: PendingEpisodes, timeout: float | None) -> RolloutBatch:
         """Episodes cannot be regenerated (their environments moved on): a group
