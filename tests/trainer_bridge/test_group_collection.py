@@ -2,7 +2,8 @@
 dynamic sampling (`keep_group`, `refill`), on an in-process engine: the batch
 holds exactly the groups asked for, each complete and named by its prompt;
 what was aborted, carried, dropped and refilled is counted; aborted groups'
-KV is freed; carried groups arrive in the next batch."""
+KV is freed; carried groups arrive in the next batch with the settings they
+were sampled with; a collect that times out leaves every group to the retry."""
 
 from __future__ import annotations
 
