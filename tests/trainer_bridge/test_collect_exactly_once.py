@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 
 from rollout import RolloutOutput, Sample, SamplingParams
 from tests.conftest import make_engine
-from trainer_bridge import TrainerBridge
-from trainer_bridge.bridge import PendingRollout
+from trainer_bridge import PendingRollout, TrainerBridge
 
 TIMEOUT_S = 0.05  # a collect short of groups gives up this soon; one with enough never waits
 TEMPERATURES = (0.6, 0.8, 1.0)
