@@ -60,8 +60,7 @@ def run_mode(engine, mode: str, steps: int, groups: int, train_s: float, seed: i
         time.sleep(train_s)
     seconds = time.perf_counter() - start
     pending.source.abort()
-    for source, _ in bridge._carry:
-        source.abort()
+    bridge.abort_carried()
     return {
         "mode": mode,
         "seconds": seconds,

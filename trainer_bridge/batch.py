@@ -50,25 +50,34 @@ class RolloutBatch:
 
     @classmethod
     def from_outputs(
-        cls, outputs: list[RolloutOutput], params: SamplingParams, policy_version: int, pad_token_id: int = 0
+        cls,
+        outputs: list[RolloutOutput],
+        params: SamplingParams | list[SamplingParams],
+        policy_version: int,
+        pad_token_id: int = 0,
     ) -> RolloutBatch:
+        """One row per sample. `params`: the settings every output was sampled
+        with, or a list giving each output its own (groups carried from an
+        earlier step keep theirs); each row's `temperature`, `top_k`, `top_p`,
+        `min_p` and `logprobs_mode` come from its output's settings."""
+        per_output = _per_output(params, len(outputs))
         rows = [
-            (out.index if out.index is not None else g, k, out, s)
+            (out.index if out.index is not None else g, k, out, s, per_output[g])
             for g, out in enumerate(outputs)
             for k, s in enumerate(out.samples)
         ]
         if not rows:
             raise ValueError("no samples to batch")
         b = len(rows)
-        p = max(len(out.prompt_token_ids) for _, _, out, _ in rows)
-        r = max(1, max(len(s.token_ids) for *_, s in rows))
+        p = max(len(out.prompt_token_ids) for _, _, out, *_ in rows)
+        r = max(1, max(len(s.token_ids) for *_, s, _ in rows))
         prompt_ids = torch.full((b, p), pad_token_id, dtype=torch.int64)
         prompt_mask = torch.zeros((b, p), dtype=torch.int64)
         response_ids = torch.full((b, r), pad_token_id, dtype=torch.int64)
         response_mask = torch.zeros((b, r), dtype=torch.int64)
         old_logprobs = torch.zeros((b, r), dtype=torch.float32)
         versions = torch.full((b, r), -1, dtype=torch.int64)
-        for i, (_, _, out, s) in enumerate(rows):
+        for i, (_, _, out, s, _) in enumerate(rows):
             n_p, n_r = len(out.prompt_token_ids), len(s.token_ids)
             prompt_ids[i, p - n_p :] = torch.tensor(out.prompt_token_ids)
             prompt_mask[i, p - n_p :] = 1
@@ -86,13 +95,9 @@ class RolloutBatch:
             versions,
             group_index=torch.tensor([g for g, *_ in rows]),
             sample_index=torch.tensor([k for _, k, *_ in rows]),
-            temperature=torch.full((b,), float(params.temperature)),
-            top_k=torch.full((b,), params.top_k, dtype=torch.int64),
-            top_p=torch.full((b,), float(params.top_p)),
-            min_p=torch.full((b,), float(params.min_p)),
-            logprobs_mode=torch.full((b,), MODE_CODES[params.logprobs_mode], dtype=torch.int64),
-            finish_reasons=[s.finish_reason for *_, s in rows],
-            texts=[s.text for *_, s in rows],
+            **_distribution_columns([settings for *_, settings in rows]),
+            finish_reasons=[s.finish_reason for *_, s, _ in rows],
+            texts=[s.text for *_, s, _ in rows],
             policy_version=policy_version,
         )
 
@@ -198,3 +203,24 @@ def _one_distribution(params: SamplingParams | list[SamplingParams]) -> Sampling
                     f"distribution, so turns may differ in {DISTRIBUTION} only across batches"
                 )
     return turns[0]
+
+
+def _per_output(params: SamplingParams | list[SamplingParams], count: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise TypeError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
+    if len(params) != count:
+        raise ValueError(f"params must give one SamplingParams per output ({count}), got {len(params)}")
+    return list(params)
+
+
+def _distribution_columns(params: list[SamplingParams]) -> dict[str, torch.Tensor]:
+    """Each row's sampling settings, as the `[B]` columns `token_logprobs` reads."""
+    return {
+        "temperature": torch.tensor([float(p.temperature) for p in params], dtype=torch.float32),
+        "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        "top_p": torch.tensor([float(p.top_p) for p in params], dtype=torch.float32),
+        "min_p": torch.tensor([float(p.min_p) for p in params], dtype=torch.float32),
+        "logprobs_mode": torch.tensor([MODE_CODES[p.logprobs_mode] for p in params], dtype=torch.int64),
+    }

@@ -17,8 +17,9 @@ from rollout.episodes import Episode, check_episode_args
 
 from .alarm import MismatchAlarm
 from .batch import RolloutBatch
+from .carry import Carry
 from .corrections import correction_weights
-from .group_collector import EngineRun, GroupCollector
+from .group_collector import EngineRun, GroupCollector, GroupSource
 from .logprobs import token_logprobs
 from .names import export_state_dict
 from .staleness import StalenessPolicy
@@ -82,7 +83,7 @@ class TrainerBridge:
         self.alarm = MismatchAlarm() if alarm is None else alarm
         self.last_push_seconds: float | None = None
         self.last_push_pause: float | None = None  # longest step gap across the last push (with metrics)
-        self._carry: list[tuple] = []  # sources kept running by collect(leftover="keep"), with their prompts
+        self._carry = Carry()  # what the last group collect left to the next one
 
     @property
     def dtype(self) -> torch.dtype:
@@ -180,13 +181,22 @@ class TrainerBridge:
         the groups it rejects (e.g. all-equal rewards); `refill(n)` gives more
         prompts when the submitted ones run out before k groups pass. The
         batch's `prompts` names each group's prompt, `collect_stats` what was
-        dropped, aborted, carried and refilled.
+        dropped, aborted, carried and refilled. Every row keeps the settings
+        its group was sampled with: a group carried from an earlier step keeps
+        that step's `SamplingParams`, a refill takes `pending`'s.
+
+        A group collect that raises (`TimeoutError` past `timeout`) loses
+        nothing: the groups it had read wait, finished, for the next collect
+        (retry with the same `pending`), which reads them first (staleness and
+        `keep_group` checked again), and carried sources run on. Groups it
+        found stale or rejected stay dropped.
         """
         if isinstance(pending, PendingEpisodes):
             return self._collect_episodes(pending, timeout)
         if min_groups is not None or keep_group is not None:
             return self._collect_groups(pending, timeout, min_groups, leftover, keep_group, refill, max_refills)
         outputs = pending.result(timeout)
+        self._carry.forget(pending.source)  # a timed-out group collect left it for a retry: delivered here
         submitted = len(outputs)
         for _ in range(self.policy.max_regenerations + 1):
             current = self.policy_version
@@ -221,31 +231,42 @@ class TrainerBridge:
         def is_stale(out: RolloutOutput) -> bool:
             return bound is not None and any(current - v > bound for s in out.samples for v in s.versions)
 
-        def more(want: int) -> tuple:
+        def more(want: int) -> GroupSource:
             prompts = list(refill(want))
-            return self.submit(prompts, pending.params).source, prompts
+            return GroupSource(self.submit(prompts, pending.params).source, prompts, pending.params)
 
         collector = GroupCollector(k, keep_group, is_stale, more if refill is not None else None, max_refills)
-        sources, self._carry = [*self._carry, (pending.source, list(pending.prompts))], []
-        outputs, prompts, leftovers = collector.collect(sources, timeout)
-        waiting = sum(source.remaining for source, _ in leftovers)
-        if leftover == "abort":
-            for source, _ in leftovers:
-                source.abort()  # its outputs still arrive, unread: the KV is what matters
-            collector.stats["aborted_groups"] = waiting
-        else:
-            self._carry = leftovers
+        mine = GroupSource(pending.source, list(pending.prompts), pending.params)
+        try:
+            groups = collector.collect(self._carry.ready, self._carry.sources_with(mine), timeout)
+        except BaseException:  # a retry finds everything where this collect found it
+            self._carry.keep_all(collector)
+            self._log_collect(collector.stats)  # what it dropped stays dropped
+            raise
+        waiting = self._carry.settle(collector, leftover)
+        collector.stats["aborted_groups"] = waiting if leftover == "abort" else 0
         collector.stats["carried_groups"] = waiting if leftover == "keep" else 0
-        if not outputs:
+        self._log_collect(collector.stats)
+        if not groups:
             raise ValueError(f"no prompt group passed after {collector.stats}; loosen keep_group or give refill")
-        for out in outputs:
-            out.index = None  # groups are numbered in batch order
-        batch = RolloutBatch.from_outputs(outputs, pending.params, current, self.pad_token_id)
-        batch.prompts, batch.collect_stats = prompts, dict(collector.stats)
+        for g in groups:
+            g.output.index = None  # groups are numbered in batch order
+        outputs = [g.output for g in groups]
+        batch = RolloutBatch.from_outputs(outputs, [g.params for g in groups], current, self.pad_token_id)
+        batch.prompts, batch.collect_stats = [g.prompt for g in groups], dict(collector.stats)
         if self.metrics is not None:
             self._log_batch(batch, pending, collector.stats["dropped_groups"] + collector.stats["stale_groups"])
-            self._log({f"rollout/{name}": value for name, value in collector.stats.items()})
         return batch
+
+    def abort_carried(self) -> int:
+        """Abort every source a group collect left running for the next one
+        (`leftover="keep"` or a timeout) and drop the finished groups it left
+        unread, e.g. when training ends; returns how many groups that drops."""
+        return self._carry.abort()
+
+    def _log_collect(self, stats: dict) -> None:
+        if self.metrics is not None:  # every collect's drops, one that raised included
+            self._log({f"rollout/{name}": value for name, value in stats.items()})
 
     def _collect_episodes(self, pending: PendingEpisodes, timeout: float | None) -> RolloutBatch:
         """Episodes cannot be regenerated (their environments moved on): a group

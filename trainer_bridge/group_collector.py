@@ -13,7 +13,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from rollout import Engine, RolloutOutput, SamplingParams
 from rollout.cluster.handles import next_from_queue
@@ -63,59 +65,105 @@ class EngineRun:
         self._generation.abort()
 
 
+class GroupSource(NamedTuple):
+    """A running rollout `collect` reads groups from."""
+
+    source: object  # a GenerationHandle or an EngineRun
+    prompts: list  # the prompts as submitted, by output index
+    params: SamplingParams  # the settings its groups are sampled with
+
+    def group(self, out: RolloutOutput) -> Group:
+        """`out`, one of this source's outputs, with its prompt and settings."""
+        return Group(out, self.prompts[out.index], self.params, self.source)
+
+
+class Group(NamedTuple):
+    """A finished prompt group, with what a batch row needs to know about it."""
+
+    output: RolloutOutput
+    prompt: object  # the prompt as submitted
+    params: SamplingParams  # the settings it was sampled with (rows are recomputed under them)
+    source: object  # the source it came from
+
+
 class GroupCollector:
-    """Takes finished groups from several sources until `min_groups` pass `keep`."""
+    """Takes finished groups until `min_groups` pass the staleness check and
+    `keep`: first the `ready` groups an earlier collect gave back, then the
+    `sources` (oldest first), then refills. What it has taken but not judged
+    or returned stays readable (`unread`, `live`) when it raises, so the
+    caller can give it back."""
 
     def __init__(
         self,
         min_groups: int,
         keep: Callable[[RolloutOutput, object], bool] | None,
         is_stale: Callable[[RolloutOutput], bool],
-        refill: Callable[[int], tuple[object, list]] | None,
+        refill: Callable[[int], GroupSource] | None,
         max_refills: int,
     ) -> None:
         self.min_groups = min_groups
         self.keep = keep
         self.is_stale = is_stale
-        self.refill = refill  # groups wanted -> (a new source, its prompts)
+        self.refill = refill  # groups wanted -> a new source
         self.max_refills = max_refills
+        self.taken: list[Group] = []  # passed, in the order they finished
+        self.ready: deque[Group] = deque()  # finished, not judged yet
+        self.sources: list[GroupSource] = []
         self.stats = {"dropped_groups": 0, "stale_groups": 0, "refill_prompts": 0, "aborted_groups": 0}
 
-    def collect(self, sources: list[tuple[object, list]], timeout: float | None) -> tuple[list, list, list]:
-        """(outputs, their prompts, sources with outputs still to come), at most `min_groups` outputs."""
+    def collect(self, ready: list[Group], sources: list[GroupSource], timeout: float | None) -> list[Group]:
+        """At most `min_groups` groups that passed; fewer when every source ran
+        dry and no refill is left. Raises TimeoutError past `timeout` s."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        taken: list[tuple[RolloutOutput, object]] = []
+        self.ready.extend(ready)
+        self.sources.extend(sources)
         refills = 0
-        while len(taken) < self.min_groups:
-            live = [s for s in sources if s[0].remaining > 0]
-            if not live:
-                if self.refill is None or refills >= self.max_refills:
-                    break
-                refills += 1
-                want = self.min_groups - len(taken)
-                sources.append(self.refill(want))
-                self.stats["refill_prompts"] += len(sources[-1][1])
-                continue
-            got = self._next(live, deadline, timeout)
-            if got is None:
-                continue
-            out, prompts = got
-            prompt = prompts[out.index]
-            if self.is_stale(out):
-                self.stats["stale_groups"] += 1
-            elif self.keep is not None and not self.keep(out, prompt):
-                self.stats["dropped_groups"] += 1
-            else:
-                taken.append((out, prompt))
-        leftovers = [s for s in sources if s[0].remaining > 0]
-        return [o for o, _ in taken], [p for _, p in taken], leftovers
+        while len(self.taken) < self.min_groups:
+            if not self.ready:
+                live = self.live()
+                if not live:
+                    if self.refill is None or refills >= self.max_refills:
+                        break
+                    refills += 1
+                    self._top_up()
+                    continue
+                if not self._read(live, deadline, timeout):
+                    continue
+            self._judge(self.ready[0])
+            self.ready.popleft()  # only once judged: a keep that raises leaves it unread
+        return self.taken
 
-    def _next(self, live: list, deadline: float | None, timeout: float | None):
-        for source, prompts in live:  # anything finished already, oldest source first
-            out = source.next_output(0)
+    def live(self) -> list[GroupSource]:
+        """The sources with outputs still to come."""
+        return [s for s in self.sources if s.source.remaining > 0]
+
+    def unread(self) -> list[Group]:
+        """Every finished group taken and not dropped: what a failed collect gives back."""
+        return [*self.taken, *self.ready]
+
+    def _top_up(self) -> None:
+        self.sources.append(self.refill(self.min_groups - len(self.taken)))
+        self.stats["refill_prompts"] += len(self.sources[-1].prompts)
+
+    def _judge(self, group: Group) -> None:
+        if self.is_stale(group.output):
+            self.stats["stale_groups"] += 1
+        elif self.keep is not None and not self.keep(group.output, group.prompt):
+            self.stats["dropped_groups"] += 1
+        else:
+            self.taken.append(group)
+
+    def _read(self, live: list[GroupSource], deadline: float | None, timeout: float | None) -> bool:
+        """Move one finished output into `ready`; False when none came within a poll."""
+        for s in live:  # anything finished already, oldest source first
+            out = s.source.next_output(0)
             if out is not None:
-                return out, prompts
+                self.ready.append(s.group(out))
+                return True
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"fewer than {self.min_groups} groups finished within {timeout} s")
-        out = live[-1][0].next_output(POLL_S)
-        return (out, live[-1][1]) if out is not None else None
+        s = live[-1]
+        out = s.source.next_output(POLL_S)
+        if out is not None:
+            self.ready.append(s.group(out))
+        return out is not None

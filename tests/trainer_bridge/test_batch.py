@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rollout import RolloutOutput, Sample, SamplingParams
+from rollout.engine.sampler import MODE_CODES
 from trainer_bridge import RolloutBatch, StalenessPolicy
 
 PARAMS = SamplingParams(n=2, temperature=0.7, top_k=5, logprobs_mode="scaled")
@@ -63,3 +64,26 @@ def test_staleness_policy_marks_old_groups():
 def test_empty_batch_is_refused():
     with pytest.raises(ValueError, match="no samples"):
         RolloutBatch.from_outputs([], PARAMS, 0)
+
+
+def test_each_output_can_bring_its_own_settings():
+    """A group carried from another step keeps its settings: row by row, by hand."""
+    other = SamplingParams(n=2, temperature=1.0, top_p=0.9, min_p=0.05, logprobs_mode="raw")
+    b = RolloutBatch.from_outputs(_outputs(), [PARAMS, other], policy_version=2)
+    assert b.temperature.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0]) and b.top_k.tolist() == [5, 5, 0, 0]
+    assert b.top_p.tolist() == pytest.approx([1.0, 1.0, 0.9, 0.9])
+    assert b.min_p.tolist() == pytest.approx([0, 0, 0.05, 0.05])
+    assert b.logprobs_mode.tolist() == [MODE_CODES["scaled"]] * 2 + [MODE_CODES["raw"]] * 2
+    same = RolloutBatch.from_outputs(_outputs(), [PARAMS, PARAMS], policy_version=2)
+    one = RolloutBatch.from_outputs(_outputs(), PARAMS, policy_version=2)
+    for name in ("temperature", "top_k", "top_p", "min_p", "logprobs_mode"):
+        assert torch.equal(getattr(same, name), getattr(one, name))
+
+
+def test_bad_per_output_settings_are_refused():
+    with pytest.raises(ValueError, match=r"one SamplingParams per output \(2\), got 1"):
+        RolloutBatch.from_outputs(_outputs(), [PARAMS], 0)
+    with pytest.raises(TypeError, match="params must be a SamplingParams or a list of them, got dict"):
+        RolloutBatch.from_outputs(_outputs(), {"temperature": 1.0}, 0)
+    with pytest.raises(TypeError, match="params must be a SamplingParams or a list of them"):
+        RolloutBatch.from_outputs(_outputs(), [PARAMS, None], 0)

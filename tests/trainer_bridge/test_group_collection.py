@@ -2,17 +2,22 @@
 dynamic sampling (`keep_group`, `refill`), on an in-process engine: the batch
 holds exactly the groups asked for, each complete and named by its prompt;
 what was aborted, carried, dropped and refilled is counted; aborted groups'
-KV is freed; carried groups arrive in the next batch."""
+KV is freed; carried groups arrive in the next batch with the settings they
+were sampled with; a collect that times out leaves every group to the retry."""
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 
 import pytest
+import torch
 
 from rollout import SamplingParams
 from tests.conftest import make_engine
-from trainer_bridge import TrainerBridge
+from tests.reference import processed_logprobs
+from trainer_bridge import TrainerBridge, token_logprobs
 
 PARAMS = SamplingParams(n=2, max_tokens=40, stop_token_ids=[7, 8, 9], seed=1)  # lengths vary: a long tail
 PROMPTS = [[10 + i, 20, 30 + i] for i in range(8)]
@@ -58,6 +63,79 @@ def test_leftover_keep_carries_groups_into_the_next_batch(qwen2):
     carried = [p for p in second.prompts if p in PROMPTS]
     assert len(carried) == 3 and not set(map(tuple, carried)) & set(map(tuple, first.prompts))
     _wait_free(engine)
+
+
+class HoldAfterFirstFinish:
+    """A step callback that holds the engine at the step after the first sequence
+    finished (its output is out by then) until `release` is set."""
+
+    def __init__(self, sequences: int) -> None:
+        self.sequences, self.finished = sequences, False
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, info) -> None:
+        if self.finished and not self.holding.is_set():
+            self.holding.set()
+            assert self.release.wait(60), "the test never released the engine"
+        self.finished |= info.num_waiting == 0 and info.num_running < self.sequences
+
+
+def test_a_timed_out_collect_loses_no_group(qwen2):
+    """The engine holds with some groups finished; a collect for all of them times
+    out; the retry returns every group, those the first one had read included."""
+    hold = HoldAfterFirstFinish(len(PROMPTS))
+    bridge = TrainerBridge(make_engine(qwen2.path, step_callback=hold))
+    pending = bridge.submit(PROMPTS, SamplingParams(n=1, max_tokens=40, stop_token_ids=[7, 8, 9], seed=1))
+    assert hold.holding.wait(60)
+    with pytest.raises(TimeoutError):
+        bridge.collect(pending, timeout=0.4, min_groups=len(PROMPTS))
+    hold.release.set()
+    batch = bridge.collect(pending, timeout=60, min_groups=len(PROMPTS))
+    assert sorted(batch.prompts) == sorted(PROMPTS) and len(batch) == len(PROMPTS)
+
+
+def _reference_logprobs(model, batch, row: int, settings: list[SamplingParams]) -> list[torch.Tensor]:
+    """float64 processed logprobs of one row's response tokens, under each of `settings`."""
+    prompt = batch.prompt_ids[row][batch.prompt_mask[row].bool()]
+    response = batch.response_ids[row][batch.response_mask[row].bool()]
+    with torch.no_grad():
+        logits = model(torch.cat([prompt, response])[None]).logits[0, len(prompt) - 1 : -1]
+    tokens = response.tolist()
+    return [
+        torch.stack(
+            [
+                processed_logprobs(logits[t], p.temperature, p.top_k, p.top_p, p.min_p)[tok]
+                for t, tok in enumerate(tokens)
+            ]
+        )
+        for p in settings
+    ]
+
+
+def test_carried_groups_keep_the_settings_they_were_sampled_with(qwen2):
+    """Step 1 samples at temperature 0.6, top-k 50 and carries 5 groups; step 2 samples
+    at 1.0: the carried rows keep 0.6 and 50, so the trainer's recompute matches the
+    engine's logprobs on every row, and a float64 recompute under each row's settings."""
+    bridge = TrainerBridge(make_engine(qwen2.path))
+    cool = SamplingParams(n=2, max_tokens=24, stop_token_ids=[7, 8, 9], seed=1, temperature=0.6, top_k=50)
+    hot = SamplingParams(n=2, max_tokens=24, stop_token_ids=[7, 8, 9], seed=2, temperature=1.0)
+    first = bridge.collect(bridge.submit(PROMPTS, cool), timeout=60, min_groups=3, leftover="keep")
+    fresh = [[50 + i, 20, 30] for i in range(4)]
+    batch = bridge.collect(bridge.submit(fresh, hot), timeout=60, min_groups=9, leftover="abort")
+    carried = [g for g, p in enumerate(batch.prompts) if p in PROMPTS]
+    assert len(carried) == 5 and not {tuple(p) for p in first.prompts} & {tuple(batch.prompts[g]) for g in carried}
+    rows = torch.isin(batch.group_index, torch.tensor(carried))
+    assert batch.temperature[rows].tolist() == pytest.approx([0.6] * 10) and (batch.top_k[rows] == 50).all()
+    assert batch.temperature[~rows].tolist() == pytest.approx([1.0] * 8) and (batch.top_k[~rows] == 0).all()
+    recomputed = token_logprobs(qwen2.hf, batch)
+    mask = batch.response_mask.bool()
+    assert (recomputed - batch.old_logprobs)[mask].abs().max() < 1e-4  # same weights: float32 rounding only
+    model = copy.deepcopy(qwen2.hf).double()
+    for row in rows.nonzero().flatten().tolist():
+        engine = batch.old_logprobs[row][mask[row]].double()
+        as_sampled, as_step_2 = _reference_logprobs(model, batch, row, [cool, hot])
+        assert (as_sampled - engine).abs().max() < 1e-4
+        assert (as_step_2 - engine).abs().mean() > 0.05  # the settings matter: step 2's are far off
 
 
 def test_dynamic_sampling_drops_rejected_groups_and_refills(qwen2):
