@@ -4,16 +4,15 @@ each bad entry is a ValueError naming the entry and the field."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 from hypothesis import event, given, settings
-from hypothesis import strategies as st
 
 from rollout.cluster.wire import ALIGN, WIRE_DTYPES, Manifest, check_manifest
 from rollout.cluster.wire_receive import unpack, unpack_entries, verification_shares
 from tests.factories import pack_state
+from tests.rollout.cluster.manifest_mutations import follows_format, mutations
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -116,89 +115,17 @@ def test_bucket_sizes_must_match_the_buckets(sizes, needle):
         unpack(BUCKETS, Manifest(MANIFEST.entries, sizes))
 
 
-def _valid(m: Manifest, sizes: tuple[int, ...]) -> bool:
-    """The format's rules, written out plainly (pairwise, no sorting): the
-    reference the property holds the checks to."""
-
-    def is_int(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    if m.bucket_nbytes != sizes:
-        return False
-    for e in m.entries:
-        if not (isinstance(e.name, str) and e.name and isinstance(e.dtype, str) and e.dtype in WIRE_DTYPES):
-            return False
-        if not (isinstance(e.shape, tuple) and all(is_int(d) and d >= 0 for d in e.shape)):
-            return False
-        if not all(is_int(v) for v in (e.bucket, e.offset, e.nbytes, e.checksum)):
-            return False
-        if not (0 <= e.bucket < len(sizes) and e.offset >= 0 and e.offset % ALIGN == 0 and 0 <= e.checksum < 2**64):
-            return False
-        if e.nbytes != math.prod(e.shape) * WIRE_DTYPES[e.dtype].itemsize or e.offset + e.nbytes > sizes[e.bucket]:
-            return False
-    if len({e.name for e in m.entries}) != len(m.entries):
-        return False
-    for a in m.entries:
-        for b in m.entries:
-            same = (a.offset, a.nbytes, a.dtype, a.shape, a.checksum) == (
-                b.offset,
-                b.nbytes,
-                b.dtype,
-                b.shape,
-                b.checksum,
-            )
-            apart = a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset
-            if a is not b and a.bucket == b.bucket and a.nbytes and b.nbytes and not (apart or same):
-                return False
-    return True
-
-
-_INTS = st.integers(-2 * ALIGN, 2200) | st.integers(-2, 36).map(lambda k: k * ALIGN) | st.sampled_from([2**64, -1])
-_ODD = st.none() | st.booleans() | st.floats(allow_nan=False) | st.text(max_size=3)
-_FIELDS = {
-    "name": st.sampled_from([*STATE, "", "x.new.weight"]) | _ODD,
-    "dtype": st.sampled_from([*WIRE_DTYPES, "complex64", "float8"]) | _ODD,
-    "shape": st.lists(st.integers(-2, 40), max_size=3).map(tuple) | st.lists(st.integers(0, 9), max_size=2) | _ODD,
-    "bucket": st.integers(-1, len(BUCKETS)) | _ODD,
-    "offset": _INTS | _ODD,
-    "nbytes": _INTS | _ODD,
-    "checksum": _INTS | st.integers(0, 2**64 - 1) | _ODD,
-}
-
-
-@st.composite
-def _mutations(draw) -> Manifest:
-    """`MANIFEST` with one to three random changes: a field of an entry, a
-    reshape or same-width retype that keeps the bytes, or a bucket's size."""
-    entries, sizes = list(MANIFEST.entries), list(MANIFEST.bucket_nbytes)
-    for _ in range(draw(st.integers(1, 3))):
-        i = draw(st.integers(0, len(entries) - 1))
-        kind = draw(st.sampled_from([*_FIELDS, "reshape", "retype", "bucket_nbytes"]))
-        e = entries[i]
-        if kind == "reshape" and isinstance(e.shape, tuple) and all(isinstance(d, int) for d in e.shape):
-            entries[i] = dataclasses.replace(e, shape=(1, math.prod(e.shape)))
-        elif kind == "retype" and e.dtype in WIRE_DTYPES:
-            width = WIRE_DTYPES[e.dtype].itemsize
-            same = [d for d, t in WIRE_DTYPES.items() if t.itemsize == width]
-            entries[i] = dataclasses.replace(e, dtype=draw(st.sampled_from(same)))
-        elif kind == "bucket_nbytes":
-            sizes[i % len(sizes)] = draw(_INTS)
-        elif kind in _FIELDS:
-            entries[i] = dataclasses.replace(e, **{kind: draw(_FIELDS[kind])})
-    return Manifest(tuple(entries), tuple(sizes))
-
-
 @settings(max_examples=150, deadline=None)
-@given(_mutations())
+@given(mutations(MANIFEST))
 def test_a_mutated_manifest_is_refused_with_value_error_or_round_trips_exactly(manifest):
     try:
         out = _receive(BUCKETS, manifest)
     except ValueError:
         event("refused")
-        assert not _valid(manifest, MANIFEST.bucket_nbytes)
+        assert not follows_format(manifest, MANIFEST.bucket_nbytes)
         return
     event("accepted")
-    assert _valid(manifest, MANIFEST.bucket_nbytes)
+    assert follows_format(manifest, MANIFEST.bucket_nbytes)
     original = {(e.bucket, e.offset, e.dtype, e.shape): e.name for e in MANIFEST.entries}
     for e in manifest.entries:
         tensor = out[e.name]

@@ -9,11 +9,14 @@ import re
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from rollout.cluster.actor import RolloutWorker
-from rollout.cluster.wire import ALIGN, Manifest
+from rollout.cluster.wire import ALIGN, WIRE_DTYPES, Manifest
 from rollout.cluster.wire_send import BucketPacker
 from tests.factories import _randomize
+from tests.rollout.cluster.manifest_mutations import follows_format, mutations
 
 ENGINE = dict(device="cpu", max_batch_size=2, max_seq_len=32, kv_cache_tokens=256)
 NORM = "model.layers.1.post_attention_layernorm.weight"  # in the last bucket: the ones before it stage fine
@@ -82,7 +85,7 @@ def test_a_bad_manifest_is_refused_and_nothing_is_staged(worker, push, case):
     bad = _bad(manifest, HEAD if case == "past the bucket" else NORM, changes)
     refused = _stage(worker, f"bad-{case}", packed, bad)
     assert len(refused) == 1 and re.search(needle, refused[0]), refused
-    with pytest.raises(ValueError, match="bucket 6 did not arrive intact"):  # the sender goes on regardless
+    with pytest.raises(ValueError, match=f"bucket {len(packed) - 1} did not arrive intact"):  # the sender goes on
         worker.prepare_push(f"bad-{case}", bad)
     worker.abort_push(f"bad-{case}")  # what the driver does with a refused push
     assert worker.engine.policy_version == version
@@ -93,3 +96,40 @@ def test_a_bad_manifest_is_refused_and_nothing_is_staged(worker, push, case):
     assert worker.prepare_push(f"good-{case}", manifest) > 0
     assert worker.commit_push(f"good-{case}", version + 1, "recompute") == version + 1
     assert torch.equal(worker.engine.model.weight_slots()[NORM].view(), state[NORM])
+
+
+def _expected(buckets: list[bytes], manifest: Manifest, name: str, like: torch.Tensor) -> torch.Tensor:
+    """The tensor `manifest` says `name` is, read from the raw bytes (not through the wire's views)."""
+    e = next(e for e in manifest.entries if e.name == name)
+    raw = bytearray(buckets[e.bucket][e.offset : e.offset + e.nbytes])
+    tensor = torch.frombuffer(raw, dtype=WIRE_DTYPES[e.dtype]) if raw else torch.zeros(0, dtype=WIRE_DTYPES[e.dtype])
+    return tensor.reshape(e.shape).to(like.dtype)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_mutated_push_is_refused_whole_or_installed_exactly(worker, push, data):
+    """Any mutation: a ValueError and the engine untouched, or the push
+    committed with every named weight equal to the bytes its entry names."""
+    _, packed, manifest = push
+    bad = data.draw(mutations(manifest, dtypes=["float32"]))  # the engine takes floating-point weights only
+    before = {n: s.view().clone() for n, s in worker.engine.model.weight_slots().items()}
+    version, push_id = worker.engine.policy_version, f"p{worker.engine.policy_version}-{id(bad)}"
+    refused = _stage(worker, push_id, packed, bad)
+    try:
+        worker.prepare_push(push_id, bad)
+    except ValueError:
+        event("refused")
+        worker.abort_push(push_id)
+        assert worker.engine.policy_version == version
+        assert all(torch.equal(s.view(), before[n]) for n, s in worker.engine.model.weight_slots().items())
+        return
+    event("installed")
+    assert not refused
+    worker.commit_push(push_id, version + 1, "recompute")
+    assert follows_format(bad, manifest.bucket_nbytes)
+    raw = [b"".join(s.tobytes() for s in p.segments) for p in packed]  # each bucket's bytes, side by side
+    named = {e.name for e in bad.entries}
+    for name, slot in worker.engine.model.weight_slots().items():
+        want = _expected(raw, bad, name, before[name]) if name in named else before[name]
+        assert torch.equal(slot.view(), want), name
