@@ -1,6 +1,6 @@
-"""A bad manifest on the trainer's node (no checksums there): the actor
-refuses it with a ValueError naming the entry and field, and nothing of the
-push reaches the engine."""
+"""A bad manifest, on the trainer's node (no checksums there) or across
+nodes: the actor refuses it with a ValueError naming the entry and field,
+and nothing of the push reaches the engine."""
 
 from __future__ import annotations
 
@@ -40,13 +40,16 @@ def push(qwen2):
     return state, packed, manifest
 
 
-def _stage(worker: RolloutWorker, push_id: str, packed, manifest: Manifest) -> list[str]:
-    """Stage every bucket as the trainer's node does (checksums=False); the
-    refusals, as the driver collects each actor call's failure."""
+def _stage(worker: RolloutWorker, push_id: str, packed, manifest: Manifest, checksums: bool = False) -> list[str]:
+    """Stage every bucket as the trainer's node does (checksums=False) or
+    another node (True); the refusals, as the driver collects each actor
+    call's failure."""
     refused = []
     for p in packed:
         try:
-            worker.stage_bucket(push_id, p.index, manifest.bucket_entries(p.index), list(p.segments), checksums=False)
+            worker.stage_bucket(
+                push_id, p.index, manifest.bucket_entries(p.index), list(p.segments), checksums=checksums
+            )
         except ValueError as e:
             refused.append(str(e))
     return refused
@@ -76,25 +79,26 @@ def _cases(manifest: Manifest) -> dict:
 CASES = ["negative offset", "overlap", "duplicate name", "past the bucket", "bad dtype", "negative dim", "nbytes"]
 
 
+@pytest.mark.parametrize("checksums", [False, True], ids=["same node", "across nodes"])
 @pytest.mark.parametrize("case", CASES)
-def test_a_bad_manifest_is_refused_and_nothing_is_staged(worker, push, case):
+def test_a_bad_manifest_is_refused_and_nothing_is_staged(worker, push, case, checksums):
     state, packed, manifest = push
     changes, needle = _cases(manifest)[case]
     before = {n: s.view().clone() for n, s in worker.engine.model.weight_slots().items()}
     version = worker.engine.policy_version
     bad = _bad(manifest, HEAD if case == "past the bucket" else NORM, changes)
-    refused = _stage(worker, f"bad-{case}", packed, bad)
+    refused = _stage(worker, f"bad-{case}-{checksums}", packed, bad, checksums)
     assert len(refused) == 1 and re.search(needle, refused[0]), refused
     with pytest.raises(ValueError, match=f"bucket {len(packed) - 1} did not arrive intact"):  # the sender goes on
-        worker.prepare_push(f"bad-{case}", bad)
-    worker.abort_push(f"bad-{case}")  # what the driver does with a refused push
+        worker.prepare_push(f"bad-{case}-{checksums}", bad)
+    worker.abort_push(f"bad-{case}-{checksums}")  # what the driver does with a refused push
     assert worker.engine.policy_version == version
     for name, slot in worker.engine.model.weight_slots().items():
         assert torch.equal(slot.view(), before[name]), name
     # The same buckets with their true manifest still go through: the actor is not left half-way.
-    assert _stage(worker, f"good-{case}", packed, manifest) == []
-    assert worker.prepare_push(f"good-{case}", manifest) > 0
-    assert worker.commit_push(f"good-{case}", version + 1, "recompute") == version + 1
+    assert _stage(worker, f"good-{case}-{checksums}", packed, manifest) == []
+    assert worker.prepare_push(f"good-{case}-{checksums}", manifest) > 0
+    assert worker.commit_push(f"good-{case}-{checksums}", version + 1, "recompute") == version + 1
     assert torch.equal(worker.engine.model.weight_slots()[NORM].view(), state[NORM])
 
 
