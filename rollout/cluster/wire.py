@@ -116,7 +116,7 @@ def check_manifest(manifest: Manifest) -> Manifest:
             raise ValueError(f"{_where(e, i)}: bucket must be < {len(sizes)} (the buckets listed), got {e.bucket}")
         buckets.setdefault(e.bucket, []).append(e)
     for index, bucket_entries in buckets.items():
-        check_bucket_entries(bucket_entries, sizes[index])
+        _check_bucket(bucket_entries, sizes[index])
     _check_unique(entries)
     return manifest
 
@@ -132,6 +132,12 @@ def check_bucket_entries(entries: Sequence[TensorEntry], nbytes: int | None = No
         raise ValueError(f"weight push bucket entries must be a sequence, got {type(entries).__name__}")
     for i, e in enumerate(entries):
         _check_entry(e, i)
+    _check_bucket(entries, nbytes)
+
+
+def _check_bucket(entries: Sequence[TensorEntry], nbytes: int | None) -> None:
+    """How well-formed entries lie in one bucket: `check_bucket_entries` past the fields."""
+    for i, e in enumerate(entries):
         if e.bucket != entries[0].bucket:
             raise ValueError(
                 f"{_where(e, i)}: bucket is {e.bucket}, its bucket's other entries say {entries[0].bucket}"
