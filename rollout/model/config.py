@@ -168,7 +168,9 @@ def _check_bound(what: str, value: int, cap: int) -> None:
         raise ValueError(f"config.json {what} is {value}, above the cap of {cap}")
 
 
-def _number(raw: dict[str, Any], key: str, default: float | None, low: float, high: float, open_low=False) -> float:
+def _number(
+    raw: dict[str, Any], key: str, default: float | None, low: float, high: float, open_low: bool = False
+) -> float:
     """`raw[key]` (or `default`): a finite number in [low, high], or (low, high] when `open_low`."""
     value = raw.get(key, default)
     above = is_number(value) and (value > low if open_low else value >= low)

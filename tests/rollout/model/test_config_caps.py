@@ -75,7 +75,8 @@ def test_the_largest_public_configs_are_accepted():
     qwen = ModelConfig.from_dict(QWEN_72B)
     assert (qwen.head_dim, qwen.intermediate_size, qwen.sliding_windows) == (128, 29568, (None,) * 80)
     # Llama 4 Scout's ten-million-token context, in a family served here.
-    assert ModelConfig.from_dict(LLAMA_405B | {"max_position_embeddings": 10_485_760}).max_position_embeddings
+    scout = ModelConfig.from_dict(LLAMA_405B | {"max_position_embeddings": 10_485_760})
+    assert scout.max_position_embeddings == 10_485_760
 
 
 _ATTRS = {
