@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..checks import is_int
-from .wire import WIRE_DTYPES, Manifest, TensorEntry, checksum
+from .wire import WIRE_DTYPES, Manifest, TensorEntry, check_bucket_entries, check_manifest, checksum
 
 
 def assemble(segments: Sequence[np.ndarray]) -> tuple[np.ndarray, bool]:
@@ -69,6 +69,7 @@ def verification_shares(entries: Sequence[TensorEntry], parts: int) -> list[tupl
     (a tied `lm_head.weight`) are checked once."""
     if not is_int(parts) or parts < 1:
         raise ValueError(f"parts must be an int >= 1, got {parts!r}")
+    check_bucket_entries(entries)  # the whole bucket's, before any share of it is looked at
     loads, shares = [0] * parts, [[] for _ in range(parts)]
     for e in sorted(_distinct(entries), key=lambda e: (-e.nbytes, e.offset)):
         lightest = loads.index(min(loads))
@@ -79,15 +80,20 @@ def verification_shares(entries: Sequence[TensorEntry], parts: int) -> list[tupl
 
 def verify_entries(bucket: np.ndarray, entries: Sequence[TensorEntry]) -> None:
     """Check the checksums of `entries`, all held by `bucket`."""
+    check_bucket_entries(entries, bucket.nbytes)
     for e in _distinct(entries):
-        if e.offset + e.nbytes > bucket.nbytes:
-            raise ValueError(f"weight push tensor {e.name!r} lies past the end of bucket {e.bucket}")
         if checksum(bucket[e.offset : e.offset + e.nbytes]) != e.checksum:
             raise ValueError(f"weight push tensor {e.name!r} fails its checksum (bucket {e.bucket}, offset {e.offset})")
 
 
 def unpack(buckets: Sequence[np.ndarray], manifest: Manifest) -> dict[str, torch.Tensor]:
-    """Tensors viewing the bucket bytes (no copy); read-only when the buckets are."""
+    """Tensors viewing the bucket bytes (no copy); read-only when the buckets
+    are. The manifest is checked whole first (`wire.check_manifest`), and
+    against the buckets' sizes: a bad one raises `ValueError` before any view."""
+    check_manifest(manifest)
+    sizes = tuple(b.nbytes for b in buckets)
+    if sizes != manifest.bucket_nbytes:
+        raise ValueError(f"weight push buckets hold {sizes} bytes, the manifest says {manifest.bucket_nbytes}")
     out = {}
     for index, bucket in enumerate(buckets):
         out.update(unpack_entries(bucket, manifest.bucket_entries(index)))
@@ -96,7 +102,9 @@ def unpack(buckets: Sequence[np.ndarray], manifest: Manifest) -> dict[str, torch
 
 def unpack_entries(bucket: np.ndarray, entries: Sequence[TensorEntry]) -> dict[str, torch.Tensor]:
     """The tensors of `entries`, all held by `bucket`, as views of its bytes.
-    They share one storage, so neighbours can be viewed as one tensor."""
+    They share one storage, so neighbours can be viewed as one tensor.
+    `entries` are checked against the bucket first (`wire.check_bucket_entries`)."""
+    check_bucket_entries(entries, bucket.nbytes)
     whole = _frombuffer(bucket)
     return {e.name: whole.narrow(0, e.offset, e.nbytes).view(WIRE_DTYPES[e.dtype]).view(e.shape) for e in entries}
 

@@ -9,10 +9,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checks import is_int
+from ..checks import is_int, is_number
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# Upper bounds on a config's sizes, checked as it is parsed so that a corrupt
+# or hostile config.json fails before anything is allocated from it. Each is
+# far above the largest public models: Llama-3.1-405B (hidden 16384,
+# intermediate 53248, 126 layers, 128 heads, vocab 128256), Gemma 3 (vocab
+# 262144, head_dim 256), Llama 4 Scout (10M positions, rope factor 16),
+# DeepSeek-V3 (rope factor 40).
+MAX_SIZES = {
+    "vocab_size": 2**21,
+    "hidden_size": 2**16,
+    "intermediate_size": 2**18,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 1024,
+    "max_position_embeddings": 2**24,
+    "original_max_position_embeddings": 2**24,
+    "sliding_window": 2**24,
+}
+MAX_ROPE_FACTOR = 1024.0  # linear/llama3 `factor`, `low_freq_factor` and `high_freq_factor`
+# Sizes derived from several fields. A sequence is at most max_position_embeddings
+# tokens (the engine's max_seq_len defaults to it and may not exceed it), so these
+# bound the rotary table for any accepted max_seq_len and the KV one token takes.
+MAX_ROTARY_ELEMENTS = 2**32  # max_position_embeddings x head_dim (cos and sin each)
+MAX_KV_ELEMENTS_PER_TOKEN = 2**24  # 2 (K and V) x num_hidden_layers x num_key_value_heads x head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,25 +107,12 @@ class ModelConfig:
             raise ValueError(f"config.json hidden_act {raw['hidden_act']!r} is not supported; supported: 'silu'")
         if raw.get("mlp_bias", False):
             raise ValueError("config.json mlp_bias=true is not supported")
-        hidden = _pos_int(raw, "hidden_size")
-        heads = _pos_int(raw, "num_attention_heads")
-        kv_heads = _pos_int(raw, "num_key_value_heads", default=heads)
-        if heads % kv_heads:
-            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
-        head_dim = raw.get("head_dim") or hidden // heads
-        layers = _pos_int(raw, "num_hidden_layers")
-        max_pos = _pos_int(raw, "max_position_embeddings", default=2048)
+        sizes = _sizes(raw)
+        layers, max_pos = sizes["num_layers"], sizes["max_position_embeddings"]
         return cls(
             model_type=model_type,
-            vocab_size=_pos_int(raw, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_pos_int(raw, "intermediate_size"),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=_pos_int({"head_dim": head_dim}, "head_dim"),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=max_pos,
+            **sizes,
+            rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6, 0.0, 1.0),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
             o_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
@@ -111,42 +123,87 @@ class ModelConfig:
         )
 
 
-def _pos_int(raw: dict[str, Any], key: str, default: int | None = None) -> int:
+def _sizes(raw: dict[str, Any]) -> dict[str, int]:
+    """The model's sizes, each within `MAX_SIZES`, and the sizes derived from
+    them within their bounds: all checked before anything is built."""
+    hidden = _size(raw, "hidden_size")
+    heads = _size(raw, "num_attention_heads")
+    kv_heads = _size(raw, "num_key_value_heads", default=heads)
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    head_dim = _size({"head_dim": raw.get("head_dim") or hidden // heads}, "head_dim")
+    if head_dim % 2:
+        raise ValueError(f"config.json head_dim must be even (rotary embeddings turn pairs of dims), got {head_dim}")
+    layers = _size(raw, "num_hidden_layers")
+    max_pos = _size(raw, "max_position_embeddings", default=2048)
+    _check_bound("max_position_embeddings x head_dim (the rotary table)", max_pos * head_dim, MAX_ROTARY_ELEMENTS)
+    kv_per_token = 2 * layers * kv_heads * head_dim
+    _check_bound(
+        "2 x num_hidden_layers x num_key_value_heads x head_dim (the KV of one token)",
+        kv_per_token,
+        MAX_KV_ELEMENTS_PER_TOKEN,
+    )
+    return dict(
+        vocab_size=_size(raw, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_size(raw, "intermediate_size"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+    )
+
+
+def _size(raw: dict[str, Any], key: str, default: int | None = None) -> int:
+    """`raw[key]` (or `default`): an int in 1 .. `MAX_SIZES[key]`."""
+    value, cap = raw.get(key, default), MAX_SIZES[key]
+    if not is_int(value) or not 1 <= value <= cap:
+        raise ValueError(f"config.json {key} must be an integer in 1..{cap}, got {value!r}")
+    return int(value)
+
+
+def _check_bound(what: str, value: int, cap: int) -> None:
+    if value > cap:
+        raise ValueError(f"config.json {what} is {value}, above the cap of {cap}")
+
+
+def _number(
+    raw: dict[str, Any], key: str, default: float | None, low: float, high: float, open_low: bool = False
+) -> float:
+    """`raw[key]` (or `default`): a finite number in [low, high], or (low, high] when `open_low`."""
     value = raw.get(key, default)
-    if not is_int(value) or value < 1:
-        raise ValueError(f"config.json {key} must be a positive integer, got {value!r}")
-    return value
+    above = is_number(value) and (value > low if open_low else value >= low)
+    if not (above and math.isfinite(value) and value <= high):
+        allowed = f"{'(' if open_low else '['}{low}, {high}]"
+        raise ValueError(f"config.json {key} must be a finite number in {allowed}, got {value!r}")
+    return float(value)
 
 
 def _rope(raw: dict[str, Any], max_pos: int) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters` (theta inside); older
     # checkpoints write `rope_theta` plus an optional `rope_scaling`.
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json rope_parameters (or rope_scaling) must be an object, got {params!r}")
+    theta = _number(params if "rope_theta" in params else raw, "rope_theta", 10000.0, 0.0, math.inf, open_low=True)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"config.json rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if not (math.isfinite(theta) and theta > 0):
-        raise ValueError(f"config.json rope_theta must be a positive number, got {theta!r}")
     if raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("config.json partial_rotary_factor other than 1.0 is not supported")
     if rope_type == "default":
         return RopeConfig(theta=theta, type="default")
-    factor = float(params.get("factor", 0))
-    if not factor >= 1.0:
-        raise ValueError(f"config.json rope factor must be >= 1 for rope type {rope_type!r}, got {factor!r}")
+    factor = _number(params, "factor", None, 1.0, MAX_ROPE_FACTOR)
     if rope_type == "linear":
         return RopeConfig(theta=theta, type="linear", factor=factor)
-    return RopeConfig(
-        theta=theta,
-        type="llama3",
-        factor=factor,
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", max_pos)),
-    )
+    low = _number(params, "low_freq_factor", None, 0.0, MAX_ROPE_FACTOR, open_low=True)
+    # llama3 interpolates between the two wavelengths, dividing by high - low.
+    high = _number(params, "high_freq_factor", None, low, MAX_ROPE_FACTOR, open_low=True)
+    original = _size({"original_max_position_embeddings": max_pos} | params, "original_max_position_embeddings")
+    return RopeConfig(theta, "llama3", factor, low, high, original)
 
 
 def _sliding_windows(raw: dict[str, Any], model_type: str, layers: int) -> tuple[int | None, ...]:
@@ -155,8 +212,7 @@ def _sliding_windows(raw: dict[str, Any], model_type: str, layers: int) -> tuple
         window = None
     if window is None:
         return (None,) * layers
-    if not is_int(window) or window < 1:
-        raise ValueError(f"config.json sliding_window must be a positive integer or null, got {window!r}")
+    window = _size({"sliding_window": window}, "sliding_window")  # null (no window) was handled above
     types = raw.get("layer_types")
     if types is None:
         if model_type == "mistral":

@@ -26,15 +26,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index.name} in {str(path)!r} is malformed: {e!r}") from None
-        files = sorted({path / name for name in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"checkpoint {str(path)!r} is missing shard files: {', '.join(missing)}")
-        return files
+        return _indexed_files(path, index)
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
@@ -48,6 +40,34 @@ def checkpoint_files(path: str | Path) -> list[Path]:
             "weights load only from safetensors, nothing is unpickled"
         )
     raise ValueError(f"checkpoint {str(path)!r} has no *.safetensors weight files")
+
+
+def _indexed_files(path: Path, index: Path) -> list[Path]:
+    """The shard files `index` names, each confined to `path`: an index is
+    data, and an entry like `../x.safetensors`, an absolute path or a symlink
+    out of the directory would read weights from anywhere on the host."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        entries = weight_map.items()
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index.name} in {str(path)!r} is malformed: {e!r}") from None
+    root = path.resolve()
+    files = set()
+    for tensor, name in entries:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{index.name} weight_map[{tensor!r}] must be a file name, got {name!r}")
+        # resolve() follows every symlink, so a link inside the directory that
+        # points out of it is caught as well as `..` and absolute paths.
+        if not (root / name).resolve().is_relative_to(root):
+            raise ValueError(
+                f"{index.name} weight_map[{tensor!r}] names {name!r}, which lies outside the checkpoint "
+                f"directory {str(path)!r}; shard files must be inside it"
+            )
+        files.add(path / name)
+    missing = [f.name for f in sorted(files) if not f.is_file()]
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} is missing shard files: {', '.join(missing)}")
+    return sorted(files)
 
 
 def load_checkpoint(model: Model, path: str | Path) -> None:

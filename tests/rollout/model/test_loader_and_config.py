@@ -57,7 +57,7 @@ def test_malformed_config(ckpt):
     [
         (dict(model_type="gpt2"), "model_type 'gpt2' is not supported"),
         (dict(model_type=None), "model_type None is not supported"),
-        (dict(hidden_size=-4), "hidden_size must be a positive integer"),
+        (dict(hidden_size=-4), "hidden_size must be an integer in 1..65536"),
         (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope type 'yarn'"),
