@@ -8,6 +8,7 @@ weight files are refused, nothing is unpickled.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -44,21 +45,21 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 def _indexed_files(path: Path, index: Path) -> list[Path]:
     """The shard files `index` names, each confined to `path`: an index is
-    data, and an entry like `../x.safetensors`, an absolute path or a symlink
-    out of the directory would read weights from anywhere on the host."""
+    data, and an entry like `../x.safetensors` or an absolute path would read
+    weights from anywhere on the host. The names are confined as written; a
+    symlink the directory itself holds is the directory owner's choice, and
+    Hugging Face's cache lays out every snapshot as links into its blob store."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         entries = weight_map.items()
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{index.name} in {str(path)!r} is malformed: {e!r}") from None
-    root = path.resolve()
+    root = Path(os.path.abspath(path))
     files = set()
     for tensor, name in entries:
         if not isinstance(name, str) or not name:
             raise ValueError(f"{index.name} weight_map[{tensor!r}] must be a file name, got {name!r}")
-        # resolve() follows every symlink, so a link inside the directory that
-        # points out of it is caught as well as `..` and absolute paths.
-        if not (root / name).resolve().is_relative_to(root):
+        if not Path(os.path.abspath(root / name)).is_relative_to(root):  # `..` folded, links kept
             raise ValueError(
                 f"{index.name} weight_map[{tensor!r}] names {name!r}, which lies outside the checkpoint "
                 f"directory {str(path)!r}; shard files must be inside it"

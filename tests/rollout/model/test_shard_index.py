@@ -1,5 +1,6 @@
 """A sharded checkpoint's index is data: every file it names must lie inside
-the checkpoint directory, whatever `..`, absolute paths or symlinks say."""
+the checkpoint directory, whatever `..` or absolute paths say; symlinks the
+directory holds are followed (Hugging Face's cache is made of them)."""
 
 from __future__ import annotations
 
@@ -44,16 +45,23 @@ def test_an_index_inside_the_directory_loads(ckpt):
     make_engine(ckpt, max_batch_size=2, max_seq_len=32, kv_cache_tokens=256)
 
 
-@pytest.mark.parametrize("escape", ["parent", "absolute", "symlink"])
+def test_a_snapshot_of_links_into_a_blob_store_loads(ckpt):
+    """Hugging Face's cache: snapshots/<rev>/ holds links to ../../blobs/<hash>."""
+    blobs = ckpt.parent / "blobs"
+    blobs.mkdir()
+    shutil.copy(ckpt / "model.safetensors", blobs / "0123abcd")
+    _write_index(ckpt, "shard.safetensors")
+    for name in ("model.safetensors", "shard.safetensors"):
+        (ckpt / name).symlink_to("../blobs/0123abcd")
+    assert [f.name for f in checkpoint_files(ckpt)] == ["model.safetensors", "shard.safetensors"]
+    make_engine(ckpt, max_batch_size=2, max_seq_len=32, kv_cache_tokens=256)
+
+
+@pytest.mark.parametrize("escape", ["parent", "absolute", "inner_parent"])
 def test_an_index_entry_outside_the_directory_is_refused(ckpt, escape):
     outside = ckpt.parent / "x.safetensors"
-    if escape == "parent":
-        shard = "../x.safetensors"
-    elif escape == "absolute":
-        shard = str(outside)
-    else:
-        shard = "link.safetensors"
-        (ckpt / shard).symlink_to(outside)
+    shard = {"parent": "../x.safetensors", "absolute": str(outside), "inner_parent": "sub/../../x.safetensors"}[escape]
+    (ckpt / "sub").mkdir()
     _write_index(ckpt, shard)
     (ckpt / "model.safetensors").write_bytes((ckpt.parent / "x.safetensors").read_bytes())
     needle = rf"{INDEX} weight_map\['.+'\] names '{shard}', which lies outside the checkpoint directory"
