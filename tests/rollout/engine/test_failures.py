@@ -167,6 +167,7 @@ def test_background_driver_fails_only_the_request_whose_rows_fail_the_step(qwen2
     assert any(PARAMS.seed in seeds for seeds in failed), "the failing step held the healthy rows too"
     _assert_same(_snapshot([healthy.output]), [alone])
     assert not engine.scheduler.requests and engine.stats()["kv_pages_used"] == 0
+    _assert_same(_snapshot(engine.generate(PROMPTS[:1], PARAMS)), [alone])  # nothing the failed step touched lingers
 
 
 def test_callback_error_aborts_only_that_call(qwen2):
