@@ -30,14 +30,23 @@ def _trace(output):
     return [(s.token_ids, s.logprobs, s.finish_reason) for s in output.samples]
 
 
+def _engine(path, kernels="auto"):
+    return make_engine(path, max_seq_len=MAX_SEQ_LEN, max_batch_size=BATCH, kv_cache_tokens=1024, kernels=kernels)
+
+
 @pytest.fixture(scope="module")
 def engine(qwen2):
-    return make_engine(qwen2.path, max_seq_len=MAX_SEQ_LEN, max_batch_size=BATCH, kv_cache_tokens=1024)
+    return _engine(qwen2.path)
 
 
-@pytest.mark.parametrize("kernels", ["auto", "torch"])
-def test_top_k_past_the_vocabulary_samples_as_off(qwen2, kernels):
-    engine = make_engine(qwen2.path, kernels=kernels)
+@pytest.fixture(scope="module", params=["auto", "torch"])
+def each_path_engine(request, qwen2, engine):
+    """The engine on each sampler path: the compiled kernels where they build, and torch ops."""
+    return engine if request.param == "auto" else _engine(qwen2.path, request.param)
+
+
+def test_top_k_past_the_vocabulary_samples_as_off(each_path_engine):
+    engine = each_path_engine
     off = SamplingParams(n=2, max_tokens=6, seed=4, ignore_eos=True)
     (expected,) = engine.generate([PROMPT], off)
     for top_k in (VOCAB, 2**63 - 1, 2**63, 10**30, np.uint64(2**64 - 1)):
@@ -46,9 +55,11 @@ def test_top_k_past_the_vocabulary_samples_as_off(qwen2, kernels):
         assert _trace(got) == _trace(expected), f"top_k={top_k}"
 
 
-def test_float32_edges_sample_as_their_meaning(engine):
+def test_float32_edges_sample_as_their_meaning(each_path_engine):
     def run(**kwargs):
-        (out,) = engine.generate([PROMPT], SamplingParams(n=2, max_tokens=6, seed=9, ignore_eos=True, **kwargs))
+        (out,) = each_path_engine.generate(
+            [PROMPT], SamplingParams(n=2, max_tokens=6, seed=9, ignore_eos=True, **kwargs)
+        )
         return out
 
     # The largest temperature flattens the distribution: every token has probability 1/vocab.
