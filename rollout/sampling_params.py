@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from .checks import as_token_ids, check_int, check_number
 
@@ -13,6 +14,10 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's API and vLLM's default bound
 # Below this, logits / temperature can overflow float32 (a subnormal temperature makes every
 # logprob NaN); a caller after near-greedy sampling wants temperature 0.
 MIN_TEMPERATURE = 1e-6
+# The step holds temperature, top_p and min_p as float32: past these bounds the cast makes a
+# valid-looking value inf (temperature) or 0 (top_p), which the step cannot sample with.
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)
+MIN_TOP_P = float(np.finfo(np.float32).smallest_subnormal)
 
 
 @dataclass(slots=True)
@@ -41,18 +46,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.n = check_int("n", self.n, 1)
-        self.temperature = check_number("temperature", self.temperature, ">= 0")
-        if not (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
-            raise ValueError(
-                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {self.temperature!r}"
-            )
-        self.top_k = check_int("top_k", self.top_k, 0, "(0 = off)")
-        self.top_p = check_number("top_p", self.top_p, "in (0, 1]")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        self.min_p = check_number("min_p", self.min_p, "in [0, 1]")
-        if not (0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        self._check_distribution()
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
         self.stop_token_ids = _token_list(self.stop_token_ids)
         self.stop = _stop_strings(self.stop)
@@ -67,6 +61,27 @@ class SamplingParams:
         self.top_logprobs = check_int("top_logprobs", self.top_logprobs, 0, f"and <= {MAX_TOP_LOGPROBS} (0 = off)")
         if self.top_logprobs > MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+
+    def _check_distribution(self) -> None:
+        """temperature, top_k, top_p and min_p, each in a range the step's buffers hold
+        (float32, int64) without turning it into a value the step rejects. The bounds
+        compare the values as given (a huge int or a NaN never reaches float());
+        the floats are then stored as plain Python floats."""
+        t = check_number("temperature", self.temperature, ">= 0")
+        if not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} and <= {MAX_TEMPERATURE} "
+                f"(the largest float32), got {t!r}"
+            )
+        # Any k >= 0 is a valid request; the step caps it at the vocabulary, where k keeps every token, as 0 does.
+        self.top_k = check_int("top_k", self.top_k, 0, "(0 = off)")
+        top_p = check_number("top_p", self.top_p, "in (0, 1]")
+        if not (MIN_TOP_P <= top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] and >= {MIN_TOP_P} (the least float32 above 0), got {top_p!r}")
+        min_p = check_number("min_p", self.min_p, "in [0, 1]")
+        if not (0 <= min_p <= 1):  # float32 rounding keeps [0, 1] in [0, 1]; below its range it is 0, off
+            raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
+        self.temperature, self.top_p, self.min_p = float(t), float(top_p), float(min_p)
 
     @property
     def is_greedy(self) -> bool:

@@ -111,6 +111,7 @@ class BackgroundDriver:
             with engine._guard.held():
                 if not engine._closed:
                     engine.scheduler.abort(dropped)
+                engine._failures.forget(dropped)
                 engine._guard.notify()
         if not pending:
             return True
@@ -120,12 +121,15 @@ class BackgroundDriver:
             deltas.extend((entry, d) for entry in watched if (d := entry.cursor.deltas()))
 
         try:
-            info, finished = engine._one_step(pending, observe if watched else None)
-        except BaseException as e:  # a failed step or a close: every waiter hears of it
+            info, finished, failed = engine._one_step(pending, observe if watched else None)
+        except BaseException as e:  # a failed step no request was singled out for, or a close: every waiter hears
             self._fail_all(e)
             return True
         for entry, d in deltas:
             entry.watch(d)
+        with self._lock:
+            for rid, error in failed:  # their rows made a step fail: only their waiters hear of it
+                _settle(self._pending.pop(rid).future.set_exception, error)
         decode = engine.codec.decode if engine.codec is not None else None
         for rid, result in finished:
             with self._lock:
@@ -145,6 +149,7 @@ class BackgroundDriver:
         with engine._guard.held():
             if not engine._closed:
                 engine.scheduler.abort([entry.request for entry in entries])
+            engine._failures.forget(entry.request for entry in entries)
             engine._guard.notify()  # a pending drain may be waiting on these
         for entry in entries:
             _settle(entry.future.set_exception, error)

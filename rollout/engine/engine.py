@@ -9,7 +9,6 @@ and the step's record logged, after the guard is released."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import random
@@ -40,8 +39,9 @@ from .leases import LeaseSlot
 from .open_iterators import OpenIterators
 from .requests import PromptLimits, make_requests
 from .scheduler import Scheduler
-from .sequence import Request, RequestResult
+from .sequence import Request
 from .session import EngineTurns, Session
+from .step_failures import RequestFailures, StepOutcome, recovering, run_step
 from .step_stats import StepInfo, StepLog
 from .stepper import Stepper
 from .stop_strings import StopStrings
@@ -114,6 +114,7 @@ class Engine(WeightsAPI):
         self.model.pack_weights()
         self._build_runtime(debug_decode_cache)
         self._guard = PolicyVersionGuard(0)
+        self._failures = RequestFailures()  # requests a failed step was pinned on, until collected
         self._updater = WeightUpdater(self.model)
         self._update_lock = threading.RLock()  # one update prepares or commits at a time
         self._rng = random.Random(cfg.seed)
@@ -335,7 +336,9 @@ class Engine(WeightsAPI):
         pending = dict(enumerate(requests))
         try:
             while pending:
-                info, finished = self._one_step(pending)
+                info, finished, failed = self._one_step(pending)
+                if failed:  # this caller's request made a step fail: the call fails with its cause
+                    raise failed[0][1]
                 for index, result in finished:
                     del pending[index]
                     yield index, result.to_output(decode, index)
@@ -346,16 +349,16 @@ class Engine(WeightsAPI):
             if pending:  # an error, a close, or the caller stopped iterating
                 with self._guard.held():
                     self.scheduler.abort(list(pending.values()))
+                    self._failures.forget(pending.values())
                     self._guard.notify()  # a pending drain may be waiting on these
 
-    def _one_step(
-        self, pending: dict[int, Request], observe: Callable[[], None] | None = None
-    ) -> tuple[StepInfo | None, list[tuple[int, RequestResult]]]:
+    def _one_step(self, pending: dict[int, Request], observe: Callable[[], None] | None = None) -> StepOutcome:
         """One step of whatever the scheduler plans (other callers' sequences
-        included), unless `pending` is all finished; the step's record (None
-        when no step ran) and the results of the finished ones among
-        `pending`, copied under the guard, where `observe()` runs too. Logged
-        once the guard is released."""
+        included), unless `pending` is all finished: its record (None when no
+        step ran), the results of the finished ones among `pending`, copied
+        under the guard, where `observe()` runs too, and the errors of those a
+        failed step was pinned on (see `step_failures`). Logged once the guard
+        is released."""
         info, blocked = None, False
         with self._guard.step() as version:
             self._check_open()
@@ -363,17 +366,19 @@ class Engine(WeightsAPI):
                 started = time.perf_counter()
                 # Scheduling publishes the pages a step will write (prefix cache): if scheduling,
                 # the step or the update fails midway, none of what it touched is trusted.
-                with self._recovering():
+                with recovering(self.scheduler, self.stepper):
                     plan = self.scheduler.schedule(version)
-                    if plan.chunks:
-                        self.scheduler.update(plan, self.stepper.step(plan))
-                if plan.chunks:
+                    applied = bool(plan.chunks) and run_step(self.stepper, self.scheduler, plan, self._failures)
+                if applied:
                     info = StepInfo.read(started, plan, self.scheduler)
-                elif self.scheduler.blocked_by_drain():
+                elif not plan.chunks and self.scheduler.blocked_by_drain():
                     blocked = True
-                else:
+                elif not plan.chunks:
                     raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
-            finished = [(i, r.result()) for i, r in pending.items() if r.is_finished]
+                # Else the step failed on some requests' rows: they ended, the others go on next step.
+            failed = self._failures.collect(pending)
+            ended = {key for key, _ in failed}
+            finished = [(i, r.result()) for i, r in pending.items() if r.is_finished and i not in ended]
             if observe is not None:
                 observe()
         if blocked:
@@ -381,18 +386,7 @@ class Engine(WeightsAPI):
             self._guard.wait_for(lambda: self._closed or not self.scheduler.blocked_by_drain(), timeout=1.0)
         if info is not None:
             self._step_log.record(info)
-        return info, finished
-
-    @contextlib.contextmanager
-    def _recovering(self) -> Iterator[None]:
-        """A step that fails midway leaves KV and device state no later step may
-        trust: its sequences are recomputed and the carried state dropped."""
-        try:
-            yield
-        except BaseException:
-            self.scheduler.recover()
-            self.stepper.invalidate()
-            raise
+        return StepOutcome(info, finished, failed)
 
 
 def _only_sample(output: RolloutOutput) -> Sample:

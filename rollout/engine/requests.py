@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..chat import is_chat
 from ..checks import array_shape, as_token_ids
@@ -76,6 +76,7 @@ def make_requests(
     make_seq: Callable[..., Sequence] = Sequence,
 ) -> list[Request]:
     """Validate and build the requests of one generate call; raises before creating any."""
+    params = _validated_copy(params)
     token_lists, texts = validate_prompts(prompts, params, PromptLimits.of(cfg, mc), codec)
     stop_ids = set(params.stop_token_ids or ())
     if not params.ignore_eos:
@@ -95,6 +96,15 @@ def make_requests(
         request.samples = [make_seq(next(seq_ids), request, k, list(ids)) for k in range(params.n)]
         requests.append(request)
     return requests
+
+
+def _validated_copy(params: SamplingParams) -> SamplingParams:
+    """The requests' own copy of `params`, validated again on construction: a field
+    set after `params` was made (which skips its checks), or after this call,
+    never reaches the step's buffers."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return replace(params)
 
 
 def render_chat(name: str, messages, codec: TextCodec | None, tools: list | None = None) -> str:

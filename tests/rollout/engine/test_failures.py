@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from rollout import SamplingParams
+from rollout.engine import stepper as stepper_module
 from tests.conftest import make_engine
 
 PROMPTS = [list(range(3, 30)), [5, 6, 7]]
@@ -78,6 +79,95 @@ def test_failure_of_one_caller_leaves_the_other_callers_exact(qwen2, monkeypatch
     assert results["failed"]
     _assert_same(_snapshot(results["out"]), expected)  # recomputed where the failed step had touched KV
     assert engine.stats()["kv_pages_used"] == 0
+
+
+POISON_SEED = 666  # a request with this seed makes any step holding its rows raise
+POISONED = SamplingParams(max_tokens=4, seed=POISON_SEED)
+REJECTED = r"top_p\[\d+\] = 0 must be in \(0, 1\]"
+
+
+def _poison_rows(monkeypatch, failing: threading.Event | None = None) -> list[list[int]]:
+    """Make the sampler reject any batch holding a row of seed POISON_SEED, as the
+    compiled sampler rejects a row's bad value (setting `failing`); returns the
+    seeds of each batch it failed."""
+    real, failed = stepper_module.sample, []
+
+    def sample(logits, batch, *args, **kwargs):
+        seeds = batch.seed.tolist()
+        if POISON_SEED in seeds:
+            failed.append(seeds)
+            if failing is not None:
+                failing.set()
+            raise RuntimeError(f"top_p[{seeds.index(POISON_SEED)}] = 0 must be in (0, 1]")
+        return real(logits, batch, *args, **kwargs)
+
+    monkeypatch.setattr(stepper_module, "sample", sample)
+    return failed
+
+
+def test_rows_that_fail_a_step_fail_only_their_request(qwen2, monkeypatch):
+    """The healthy caller's thread runs the step the poisoned rows fail: its requests
+    go on exactly as alone; only the poisoned caller hears of the error."""
+    engine = make_engine(qwen2.path)
+    alone = _snapshot(engine.generate(PROMPTS, PARAMS))
+    joined, step_failed, results = threading.Event(), threading.Event(), {}
+    failed = _poison_rows(monkeypatch, step_failed)
+    real_open = engine._iterators.open
+
+    def open_then_wait(requests):  # the poisoned caller's requests are in; it waits to step
+        if threading.current_thread().name == "poisoned":
+            joined.set()
+            step_failed.wait(30)
+        return real_open(requests)
+
+    def after_first_step(info):  # the healthy caller's next step will hold the poisoned rows
+        engine._step_callback = None
+        joined.wait(30)
+
+    monkeypatch.setattr(engine._iterators, "open", open_then_wait)
+    engine._step_callback = after_first_step
+
+    def poisoned():
+        with pytest.raises(RuntimeError, match=REJECTED):
+            engine.generate([[9, 9, 9, 9, 9]], POISONED)
+        results["failed"] = True
+
+    def healthy():
+        results["out"] = engine.generate(PROMPTS, PARAMS)
+
+    threads = [threading.Thread(target=healthy, name="healthy"), threading.Thread(target=poisoned, name="poisoned")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert any(PARAMS.seed in seeds for seeds in failed), "the failing step held the healthy rows too"
+    assert results["failed"]
+    _assert_same(_snapshot(results["out"]), alone)
+    assert not engine.scheduler.requests and engine.stats()["kv_pages_used"] == 0
+
+
+def test_background_driver_fails_only_the_request_whose_rows_fail_the_step(qwen2, monkeypatch):
+    engine = make_engine(qwen2.path)
+    (alone,) = _snapshot(engine.generate(PROMPTS[:1], PARAMS))
+    failed = _poison_rows(monkeypatch)
+    submitted = threading.Event()
+
+    def after_first_step(info):  # the driver's next step holds both requests' rows
+        engine._step_callback = None
+        submitted.wait(30)
+
+    engine._step_callback = after_first_step
+    healthy = engine.stream(PROMPTS[0], PARAMS)
+    poisoned = engine.stream([9, 9, 9, 9, 9], POISONED)
+    submitted.set()
+    with pytest.raises(RuntimeError, match=REJECTED):
+        list(poisoned)
+    list(healthy)
+    assert any(PARAMS.seed in seeds for seeds in failed), "the failing step held the healthy rows too"
+    _assert_same(_snapshot([healthy.output]), [alone])
+    assert not engine.scheduler.requests and engine.stats()["kv_pages_used"] == 0
+    _assert_same(_snapshot(engine.generate(PROMPTS[:1], PARAMS)), [alone])  # nothing the failed step touched lingers
 
 
 def test_callback_error_aborts_only_that_call(qwen2):

@@ -22,10 +22,23 @@ PARAMS = SamplingParams(n=2, max_tokens=12, seed=3, ignore_eos=True)
         (dict(temperature=1e-40), ValueError, r"temperature must be 0 \(greedy\) or a finite number >= 1e-06"),
         (dict(temperature=float("nan")), ValueError, "temperature"),
         (dict(temperature="hot"), TypeError, "temperature"),
+        # The step holds the floats as float32: a value the cast makes inf or 0 is refused here.
+        (
+            dict(temperature=1e39),
+            ValueError,
+            r"temperature must be .* <= 3.4028234663852886e\+38 \(the largest float32",
+        ),
+        (dict(temperature=3.403e38), ValueError, "temperature"),  # finite in float64, inf in float32
+        (dict(temperature=10**400), ValueError, "temperature"),  # past float64's range too
+        (dict(temperature=float("inf")), ValueError, "temperature"),
         (dict(top_k=-1), ValueError, "top_k"),
         (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), ValueError, "top_p"),
+        (dict(top_p=1e-46), ValueError, r"top_p must be in \(0, 1\] and >= 1.401298464324817e-45"),
+        (dict(top_p=np.float32(1e-46)), ValueError, "top_p"),  # 0 already
+        (dict(top_p=10**400), ValueError, "top_p"),
         (dict(min_p=-0.1), ValueError, "min_p"),
+        (dict(min_p=10**400), ValueError, "min_p"),
         (dict(max_tokens=0), ValueError, "max_tokens"),
         (dict(max_tokens=-3), ValueError, "max_tokens"),
         (dict(max_tokens=8.0), TypeError, "max_tokens"),
@@ -62,6 +75,15 @@ PARAMS = SamplingParams(n=2, max_tokens=12, seed=3, ignore_eos=True)
 def test_sampling_params_validate_themselves(kwargs, error, needle):
     with pytest.raises(error, match=needle):
         SamplingParams(**kwargs)
+
+
+def test_fields_set_after_construction_are_checked_at_submission(qwen2):
+    engine = make_engine(qwen2.path)
+    params = SamplingParams(max_tokens=4)
+    params.top_p = 1e-46  # an attribute write skips the checks of construction; 0 in float32
+    with pytest.raises(ValueError, match="top_p must be in"):
+        engine.generate(GOOD, params)
+    assert not engine.scheduler.requests and engine.stats()["kv_pages_used"] == 0
 
 
 @pytest.mark.parametrize(

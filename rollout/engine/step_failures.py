@@ -1,0 +1,111 @@
+"""A failed step, pinned on the requests whose rows make it fail.
+
+A step computes every scheduled request's rows together, so one request's
+data (a value its buffers cannot hold, a row the sampler rejects) would fail
+the step of every request batched with it, and with it other callers'
+requests. When the stepper raises, the step's work is run again one request
+at a time: a request whose own share raises is a culprit, ended and failed
+with that error; every other request is recomputed (the failed step's KV is
+not trusted) and goes on as if the step had not run. An error that no single
+request reproduces (the device, a transient fault) stays the error of the
+caller whose thread ran the step, as any failed step is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+from .plan import ScheduledChunk, StepPlan
+from .scheduler import Scheduler
+from .sequence import Request, RequestResult
+from .step_stats import StepInfo
+from .stepper import Stepper
+
+
+class StepOutcome(NamedTuple):
+    """What one engine step did for a caller's pending requests (keyed as the caller keys them)."""
+
+    info: StepInfo | None  # the step's record; None when no step ran or its result was dropped
+    finished: list[tuple[int, RequestResult]]  # pending requests that finished, their samples copied
+    failed: list[tuple[int, Exception]]  # pending requests a failed step was pinned on, and its error
+
+
+class RequestFailures:
+    """The errors of requests ended by a failed step, kept until their caller
+    collects them. Used under the policy version guard only."""
+
+    def __init__(self) -> None:
+        self._errors: dict[int, Exception] = {}  # request id -> why its rows failed the step
+
+    def record(self, request: Request, error: Exception) -> None:
+        self._errors[request.request_id] = error
+
+    def collect(self, pending: dict[int, Request]) -> list[tuple[int, Exception]]:
+        """The failed ones among `pending`, as `(key, error)`, each handed out once."""
+        return [(key, self._errors.pop(r.request_id)) for key, r in pending.items() if r.request_id in self._errors]
+
+    def forget(self, requests: Iterable[Request]) -> None:
+        """Drop the errors of requests whose caller stopped waiting."""
+        for r in requests:
+            self._errors.pop(r.request_id, None)
+
+
+def run_step(stepper: Stepper, scheduler: Scheduler, plan: StepPlan, failures: RequestFailures) -> bool:
+    """Step `plan` and apply its result; True when it was applied. When the step
+    raises, the requests whose own share raises are aborted and their errors
+    recorded in `failures`, the rest recomputed, and False returned; when no
+    request's share raises alone, the step's error propagates."""
+    try:
+        result = stepper.step(plan)
+    except Exception:
+        culprits = find_culprits(stepper, plan)
+        if not culprits:
+            raise
+        recover(scheduler, stepper)
+        for request, error in culprits:
+            scheduler.abort([request])
+            failures.record(request, error)
+        return False
+    scheduler.update(plan, result)
+    return True
+
+
+def find_culprits(stepper: Stepper, plan: StepPlan) -> list[tuple[Request, Exception]]:
+    """The requests of `plan` whose share of the step raises when run alone, with
+    their errors. Each share is a plan of its request's chunks (in plan order, so
+    prefills stay first) and the step's page copies (copying a shared page again
+    rewrites the same values). Run before recovery: the shares write KV only to
+    pages the plan reserved, which recovery drops."""
+    culprits = []
+    for request, chunks in _by_request(plan.chunks):
+        try:
+            stepper.step(StepPlan(chunks, plan.page_copies, plan.version))
+        except Exception as error:
+            culprits.append((request, error))
+    return culprits
+
+
+def recover(scheduler: Scheduler, stepper: Stepper) -> None:
+    """After a step failed midway: the KV it wrote and the device state carried
+    between steps are not trusted, so running sequences are recomputed."""
+    scheduler.recover()
+    stepper.invalidate()
+
+
+@contextlib.contextmanager
+def recovering(scheduler: Scheduler, stepper: Stepper) -> Iterator[None]:
+    """`recover` when the block raises (scheduling, a step or its update failed midway)."""
+    try:
+        yield
+    except BaseException:
+        recover(scheduler, stepper)
+        raise
+
+
+def _by_request(chunks: list[ScheduledChunk]) -> list[tuple[Request, list[ScheduledChunk]]]:
+    groups: dict[int, tuple[Request, list[ScheduledChunk]]] = {}
+    for c in chunks:
+        groups.setdefault(c.seq.request.request_id, (c.seq.request, []))[1].append(c)
+    return list(groups.values())
