@@ -189,6 +189,7 @@ class RolloutBatch:
 
 
 DISTRIBUTION = ("temperature", "top_k", "top_p", "min_p", "logprobs_mode")
+INT64_MAX = torch.iinfo(torch.int64).max
 
 
 def _one_distribution(params: SamplingParams | list[SamplingParams]) -> SamplingParams:
@@ -219,7 +220,8 @@ def _distribution_columns(params: list[SamplingParams]) -> dict[str, torch.Tenso
     """Each row's sampling settings, as the `[B]` columns `token_logprobs` reads."""
     return {
         "temperature": torch.tensor([float(p.temperature) for p in params], dtype=torch.float32),
-        "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        # A k past the vocabulary keeps every token; past int64 it would not fit the column.
+        "top_k": torch.tensor([min(p.top_k, INT64_MAX) for p in params], dtype=torch.int64),
         "top_p": torch.tensor([float(p.top_p) for p in params], dtype=torch.float32),
         "min_p": torch.tensor([float(p.min_p) for p in params], dtype=torch.float32),
         "logprobs_mode": torch.tensor([MODE_CODES[p.logprobs_mode] for p in params], dtype=torch.int64),

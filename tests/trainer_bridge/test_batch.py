@@ -87,3 +87,19 @@ def test_bad_per_output_settings_are_refused():
         RolloutBatch.from_outputs(_outputs(), {"temperature": 1.0}, 0)
     with pytest.raises(TypeError, match="params must be a SamplingParams or a list of them"):
         RolloutBatch.from_outputs(_outputs(), [PARAMS, None], 0)
+
+
+def test_a_top_k_past_int64_keeps_every_token_in_the_batch():
+    """`SamplingParams` takes any k >= 0 (the engine caps it at the vocabulary); the batch's column must hold it."""
+    from rollout.engine.sampler import logprobs_of
+    from trainer_bridge.logprobs import _sampling
+
+    huge = RolloutBatch.from_outputs(_outputs(), SamplingParams(n=2, temperature=0.7, top_k=2**70), 0)
+    off = RolloutBatch.from_outputs(_outputs(), SamplingParams(n=2, temperature=0.7, top_k=0), 0)
+    logits = torch.randn(4, 11, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([3, 1, 4, 1])
+    rows = torch.arange(4)
+    got = logprobs_of(logits, tokens, _sampling(huge, rows))
+    expected = torch.log_softmax(logits.double() / 0.7, -1)[rows, tokens]  # no filter: a plain softmax
+    assert torch.allclose(got.double(), expected, atol=1e-5)
+    assert torch.equal(got, logprobs_of(logits, tokens, _sampling(off, rows)))
