@@ -2,7 +2,7 @@
 `rollout serve`: an OpenAI-compatible HTTP server (docs/serving.md).
 
     rollout generate --model DIR --prompts FILE.jsonl --n 8 --out OUT.jsonl [--overwrite]
-    rollout serve --model DIR [--actors N] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    rollout serve --model DIR [--actors N] [--host 127.0.0.1] [--port 8000] [--api-key-file PATH]
 
 Each input line of `generate` is a JSON string (a text prompt), a list of
 token ids, or an object with "prompt" (text) or "prompt_token_ids". Each
@@ -188,7 +188,9 @@ def _serve_parser(sub) -> None:
     s.add_argument("--actors", type=int, default=0, help="serve from a Ray cluster of N rollout actors")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set ROLLOUT_API_KEY)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (`ps` shows it: prefer below)")
+    s.add_argument("--api-key-file", type=Path, default=None, help="the key from a file (or set ROLLOUT_API_KEY)")
+    s.add_argument("--allow-no-key", action="store_true", help="serve a non-loopback --host without a key")
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: DIR's name)")
     s.add_argument("--max-n", type=int, default=None, help="samples per prompt (default: max batch size)")
     s.add_argument("--max-tokens-limit", type=int, default=None, help="max_tokens bound (default: max seq len)")
