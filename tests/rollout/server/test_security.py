@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 
 import httpx
@@ -20,6 +21,7 @@ import pytest
 
 from rollout.chat import ChatTemplate
 from rollout.cli import main, parser
+from rollout.engine.streams import TokenStream
 from rollout.server import EngineBackend, ServerConfig, start_server
 from rollout.server.run import api_key, server_config
 from tests.rollout.server.conftest import API_KEY
@@ -153,6 +155,31 @@ def test_a_500_tells_only_a_request_id_which_the_log_holds_with_the_detail(tiny_
     }
     (record,) = [r for r in caplog.records if r.name == "rollout.server" and request_id in r.getMessage()]
     assert record.levelno == logging.ERROR and "/srv/secret/weights.bin (pid 4242)" in str(record.exc_info[1])
+
+
+class _BrokenStreamBackend(EngineBackend):
+    def stream(self, prompt, params):
+        stream, failed = TokenStream(), Future()  # made in the event loop, as the engine makes it
+        failed.set_exception(RuntimeError("lost /srv/secret/weights.bin (pid 4242)"))
+        stream.attach(failed)
+        return stream
+
+
+def test_a_stream_that_fails_after_its_first_chunk_sends_only_a_request_id(tiny_engine, caplog):
+    caplog.set_level(logging.ERROR, logger="rollout.server")
+    with running(_BrokenStreamBackend(tiny_engine)) as url, pytest.raises(openai.APIError) as failed:
+        for chunk in client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=2, stream=True):
+            assert chunk.choices[0].delta.role == "assistant"  # the opening chunk, before the failure
+    request_id = failed.value.body["request_id"]
+    assert failed.value.body == {
+        "message": "internal error",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+        "request_id": request_id,
+    }
+    (record,) = [r for r in caplog.records if r.name == "rollout.server" and request_id in r.getMessage()]
+    assert "/srv/secret/weights.bin (pid 4242)" in str(record.exc_info[1])
 
 
 LOOPING = "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}"
