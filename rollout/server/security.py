@@ -29,6 +29,8 @@ def is_loopback(host: str) -> bool:
 def check_bind(host: str, api_key: str | None, allow_no_key: bool) -> None:
     """Refuse to serve without a key on an address other machines can reach,
     unless `allow_no_key`; raises `ValueError` naming the options."""
+    if not isinstance(host, str):
+        raise TypeError(f"host must be a str (an address or a name to bind), got {type(host).__name__}")
     if api_key is None and not allow_no_key and not is_loopback(host):
         raise ValueError(
             f"host {host!r} is reachable from other machines and no API key is set: set ROLLOUT_API_KEY, "

@@ -87,6 +87,8 @@ def test_an_open_bind_needs_a_key_and_then_skips_the_host_check(tiny_engine):
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
     with running(backend, ServerConfig("tiny", max_n=4, max_tokens=64, allow_no_key=True), host="0.0.0.0") as url:
         assert httpx.get(url + "/v1/models", headers={"Host": "rollout.lan"}).status_code == 200
+    with pytest.raises(TypeError, match="host must be a str"):
+        start_server(backend, CONFIG, host=None, port=0)
     with pytest.raises(TypeError, match="allow_no_key must be a bool"):
         ServerConfig("tiny", max_n=4, max_tokens=64, allow_no_key="yes")
 
