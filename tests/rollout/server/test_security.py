@@ -18,12 +18,15 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollout.chat import ChatTemplate
 from rollout.cli import main, parser
 from rollout.engine.streams import TokenStream
 from rollout.server import EngineBackend, ServerConfig, start_server
 from rollout.server.run import api_key, server_config
+from rollout.server.security import host_name, is_loopback
 from tests.rollout.server.conftest import API_KEY
 
 USER = [{"role": "user", "content": "hi"}]
@@ -72,6 +75,21 @@ def test_a_loopback_bind_answers_only_loopback_host_names(tiny_engine):
                 assert response.status_code == 421, (host, route, response.text)
                 error = response.json()["error"]
                 assert error["param"] == "Host" and error["code"] == "misdirected_request"
+
+
+@settings(max_examples=200, deadline=None)
+@given(ip=st.ip_addresses(), port=st.none() | st.integers(0, 65535))
+def test_host_headers_of_ip_literals_are_loopback_exactly_when_their_address_is(ip, port):
+    literal = f"[{ip}]" if ip.version == 6 else str(ip)
+    header = literal if port is None else f"{literal}:{port}"
+    assert is_loopback(host_name(header)) == ip.is_loopback
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.from_regex(r"[a-z][a-z0-9-]{0,15}(\.[a-z0-9-]{1,10}){0,3}", fullmatch=True), port=st.integers(0, 65535))
+def test_host_headers_of_names_are_loopback_only_for_localhost(name, port):
+    assert is_loopback(host_name(f"{name}:{port}")) == (name == "localhost")
+    assert host_name(f"{name}:{port}") == host_name(name) == name
 
 
 def test_an_open_bind_needs_a_key_and_then_skips_the_host_check(tiny_engine):
