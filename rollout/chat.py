@@ -20,6 +20,9 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # The placeholder turn `followup_ids` renders; plain text no template rewrites.
 _SENTINEL = "ROLLOUT-FOLLOWUP-SENTINEL-7c1e"
 _PLACEHOLDER = ({"role": "user", "content": "ROLLOUT-FOLLOWUP-USER"}, {"role": "assistant", "content": _SENTINEL})
+# How long one rendering may run: real templates take milliseconds, and one
+# from an untrusted checkpoint must not hold a server's thread for minutes.
+TEMPLATE_TIME_LIMIT_S = 2.0
 
 
 def is_chat(prompt: object) -> bool:
@@ -33,14 +36,22 @@ class ChatTemplate:
 
     `templates` maps names to jinja sources: "default", plus e.g. "tool_use",
     which transformers picks when tools are given. `codec` tokenizes renderings.
+    A rendering that runs past `time_limit_s` seconds is stopped (a `ValueError`).
     """
 
     def __init__(
-        self, templates: dict[str, str], special_tokens: dict[str, str], codec: TextCodec | None = None
+        self,
+        templates: dict[str, str],
+        special_tokens: dict[str, str],
+        codec: TextCodec | None = None,
+        time_limit_s: float = TEMPLATE_TIME_LIMIT_S,
     ) -> None:
+        if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
+            raise ValueError(f"time_limit_s must be a number of seconds > 0, got {time_limit_s!r}")
         self.templates = templates
         self.special_tokens = special_tokens
         self.codec = codec
+        self.time_limit_s = time_limit_s
 
     @classmethod
     def from_dir(cls, path: str | Path, codec: TextCodec | None = None) -> ChatTemplate | None:
@@ -69,20 +80,21 @@ class ChatTemplate:
         """The prompt text of `messages`. `tools` (JSON schemas) and keyword
         variables (e.g. `enable_thinking=False`) reach the template as they are.
         Raises `TypeError`/`ValueError` naming the message index and field for
-        malformed messages, and jinja2's `TemplateError` when the template
-        itself refuses them (e.g. roles that do not alternate)."""
+        malformed messages, and a `ChatTemplateError` (both jinja2's
+        `TemplateError` and a `ValueError`) naming the template when it fails:
+        it refuses the messages (e.g. roles that do not alternate), has a
+        syntax error, reads what is undefined, or runs past `time_limit_s`."""
         check_messages(messages)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise TypeError(f"tools must be None or a list of dicts (JSON schemas), got {tools!r}")
         # Templates read a missing key more safely than None (transformers drops them too).
         chat = _alias_reasoning([{k: _plain(v) for k, v in m.items() if v is not None} for m in messages])
         variables = {**self.special_tokens, "documents": None, **_plain(kwargs)}
-        from .chat_jinja import compile_template  # jinja2 loads with the first rendering, not with rollout
+        from .chat_jinja import render_bounded  # jinja2 loads with the first rendering, not with rollout
 
-        template = compile_template(self._source(tools))
-        return template.render(
-            messages=chat, tools=_plain(tools), add_generation_prompt=add_generation_prompt, **variables
-        )
+        name = self._name(tools)
+        variables.update(messages=chat, tools=_plain(tools), add_generation_prompt=add_generation_prompt)
+        return render_bounded(self.templates[name], name, self.time_limit_s, variables)
 
     def encode(
         self,
@@ -152,12 +164,12 @@ class ChatTemplate:
             )
         return after[end:]
 
-    def _source(self, tools: list[dict] | None) -> str:
+    def _name(self, tools: list[dict] | None) -> str:
         # transformers' choice among named templates (get_chat_template).
         if tools is not None and "tool_use" in self.templates:
-            return self.templates["tool_use"]
+            return "tool_use"
         if "default" in self.templates:
-            return self.templates["default"]
+            return "default"
         raise ValueError(f"the checkpoint has chat templates {sorted(self.templates)} and none named 'default'")
 
     def _encode(self, text: str) -> list[int]:

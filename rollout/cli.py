@@ -1,22 +1,29 @@
 """`rollout generate`: offline sampling from a checkpoint to JSON lines;
 `rollout serve`: an OpenAI-compatible HTTP server (docs/serving.md).
 
-    rollout generate --model DIR --prompts FILE.jsonl --n 8 --out OUT.jsonl
-    rollout serve --model DIR [--actors N] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    rollout generate --model DIR --prompts FILE.jsonl --n 8 --out OUT.jsonl [--overwrite]
+    rollout serve --model DIR [--actors N] [--host 127.0.0.1] [--port 8000] [--api-key-file PATH]
 
 Each input line of `generate` is a JSON string (a text prompt), a list of
 token ids, or an object with "prompt" (text) or "prompt_token_ids". Each
 output line holds one prompt's samples with token ids, logprobs, versions,
-finish reasons and texts, in input order.
+finish reasons and texts, in input order. The lines go to a temporary file
+beside `--out` as prompts finish, renamed to `--out` when all are done: an
+interrupted run leaves no half-written `--out`. An existing `--out` is
+refused without `--overwrite`, and `--out` may never be the prompts file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from tqdm import tqdm
 
@@ -66,8 +73,54 @@ def output_record(out) -> dict:
 BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} prompts [{elapsed}<{remaining}{postfix}]"
 
 
+def check_out(out: Path, prompts: Path, overwrite: bool) -> None:
+    """Refuse an `--out` whose writing would destroy data: the prompts file
+    itself (however it is named: links resolve), or an existing file unless
+    `overwrite`. Raises `ValueError` naming the flag."""
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; give a file path")
+    if not out.exists():
+        return
+    if prompts.exists() and os.path.samefile(out, prompts):
+        raise ValueError(f"--out {out} is the --prompts file; write the samples to another file")
+    if not overwrite:
+        raise ValueError(f"--out {out} exists; pass --overwrite to replace it")
+
+
+@contextmanager
+def replacing(out: Path) -> Iterator[IO[str]]:
+    """A new file beside `out` that replaces `out` when the block ends, or is
+    removed if the block fails (so `out` is never half-written). Beside it so
+    the rename stays on one filesystem and is atomic."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    try:
+        with partial.open("x") as f:  # "x": never clobber another run's file
+            yield f
+        os.replace(partial, out)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+class InOrder:
+    """Writes records in input order, each as soon as it and every record
+    before it are done (a late prompt holds back only those after it)."""
+
+    def __init__(self, f: IO[str]) -> None:
+        self.f, self.next, self.held = f, 0, {}
+
+    def add(self, index: int, record: dict) -> None:
+        self.held[index] = record
+        while self.next in self.held:
+            self.f.write(json.dumps(self.held.pop(self.next)) + "\n")
+            self.next += 1
+        self.f.flush()
+
+
 def generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)
+    check_out(args.out, args.prompts, args.overwrite)
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,
@@ -95,20 +148,16 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.prompts} has text prompts but {args.model} has no tokenizer.json")
     # Text lines are tokenized here so one file may mix text and token-id prompts.
     token_lists = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-    results: list = [None] * len(prompts)
     bar = tqdm(total=len(prompts), disable=args.quiet, bar_format=BAR_FORMAT, postfix="0 tokens/s")
     tokens, start = 0, time.perf_counter()
-    with bar:
+    with bar, replacing(args.out) as f:
+        records = InOrder(f)
         for index, out in engine.generate_iter(token_lists, params):
             out.prompt = texts[index]
-            results[index] = out
+            records.add(index, output_record(out))
             tokens += sum(len(s.token_ids) for s in out.samples)
             bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} tokens/s", refresh=False)
             bar.update()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w") as f:
-        for out in results:
-            f.write(json.dumps(output_record(out)) + "\n")
     return 0
 
 
@@ -139,7 +188,9 @@ def _serve_parser(sub) -> None:
     s.add_argument("--actors", type=int, default=0, help="serve from a Ray cluster of N rollout actors")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set ROLLOUT_API_KEY)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (`ps` shows it: prefer below)")
+    s.add_argument("--api-key-file", type=Path, default=None, help="the key from a file (or set ROLLOUT_API_KEY)")
+    s.add_argument("--allow-no-key", action="store_true", help="serve a non-loopback --host without a key")
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: DIR's name)")
     s.add_argument("--max-n", type=int, default=None, help="samples per prompt (default: max batch size)")
     s.add_argument("--max-tokens-limit", type=int, default=None, help="max_tokens bound (default: max seq len)")
@@ -155,7 +206,8 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="sample responses for a JSONL file of prompts")
     g.add_argument("--model", required=True, type=Path, help="Hugging Face checkpoint directory")
     g.add_argument("--prompts", required=True, type=Path, help="JSONL: one prompt per line")
-    g.add_argument("--out", required=True, type=Path, help="JSONL output, one line per prompt")
+    g.add_argument("--out", required=True, type=Path, help="JSONL output, one line per prompt (a new file)")
+    g.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)

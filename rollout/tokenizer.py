@@ -66,6 +66,14 @@ class TextCodec:
         Special-token text inside `text` (e.g. `<|im_end|>`) maps to its token either way."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, letting other Python threads run meanwhile: the tokenizers
+        library releases the GIL for batches only, and a server tokenizing a
+        long prompt on a worker thread must not stop its event loop. (A batch
+        marks the process as having used the library's thread pool: a later
+        fork warns, so `encode` stays the plain call.)"""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 

@@ -1,4 +1,5 @@
-"""The ASGI app: routes, the API key, bounded request bodies.
+"""The ASGI app: routes, the API key, bounded JSON request bodies, the
+loopback Host check (`security.py`).
 
     GET  /health                 open: liveness and the policy version
     GET  /v1/models              the one served model
@@ -8,13 +9,15 @@
 
 Each prompt is one `TokenStream` on the backend, so concurrent requests
 share the engine's steps, which its own thread runs. The event loop never
-runs the engine; `Engine.stream` does wait for the step under way to end
-before it returns (docs/serving.md#throughput), and a cluster's counters
-are read in a thread."""
+runs the engine, renders a chat template or tokenizes a prompt (a thread
+does: a long prompt would stop every other request, `/health` included);
+`Engine.stream` does wait for the step under way to end before it returns
+(docs/serving.md#throughput), and a cluster's counters are read in a thread."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 from collections.abc import AsyncGenerator, Callable
 
@@ -31,15 +34,22 @@ from .generation import ClientGone, cancel, outputs, start, wait_for_disconnect
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import Reply, usage
 from .schemas import ChatRequest, CompletionRequest
+from .security import LoopbackHosts, check_bind, check_json, is_loopback
 from .translate import Job, chat_job, completion_job
 
 
-def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
-    """An OpenAI-compatible app over `backend`; the caller runs it (uvicorn) and closes the backend."""
+def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") -> FastAPI:
+    """An OpenAI-compatible app over `backend` for a server bound to `host`;
+    the caller runs it (uvicorn) and closes the backend. A loopback `host`
+    answers only loopback `Host` names; another one needs `config.api_key`
+    (or `config.allow_no_key`), else `ValueError`."""
+    check_bind(host, config.api_key, config.allow_no_key)
     app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)  # every route is below
     metrics = Metrics()
     install_handlers(app)
     app.add_middleware(CountRequests, metrics=metrics)
+    if is_loopback(host):
+        app.add_middleware(LoopbackHosts)  # outermost: a refused request reaches nothing
     auth = BearerKey(config.api_key)  # called first in every route but /health (cheaper than a dependency)
 
     @app.get("/health")
@@ -62,13 +72,13 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         auth.check(request)
         body = await parse(request, CompletionRequest, config.max_body_bytes)
-        return await answer(request, completion_job(body, config, backend))
+        return await answer(request, await asyncio.to_thread(prepare, completion_job, body, config, backend))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         auth.check(request)
         body = await parse(request, ChatRequest, config.max_body_bytes)
-        return await answer(request, chat_job(body, config, backend))
+        return await answer(request, await asyncio.to_thread(prepare, chat_job, body, config, backend))
 
     async def answer(request: Request, job: Job) -> Response:
         streams = start(job, backend)
@@ -128,8 +138,21 @@ class BearerKey:
             )
 
 
+def prepare(make_job: Callable[..., Job], body: BaseModel, config: ServerConfig, backend: Backend) -> Job:
+    """The request's `Job` with every prompt as checked token ids (run in a
+    thread: templates and long prompts take time); a 400 naming the prompt's field."""
+    job = make_job(body, config, backend)
+    try:
+        prompts = [backend.prompt_ids(p, job.prompt_field, job.tools) for p in job.prompts]
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), job.prompt_field) from None
+    return dataclasses.replace(job, prompts=prompts)
+
+
 async def parse(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
-    """The JSON body as `model`, read up to `limit` bytes (a 413 past it); a 400 naming what is wrong."""
+    """The body as `model`: `application/json` (a 415 otherwise), read up to
+    `limit` bytes (a 413 past it); a 400 naming what is wrong."""
+    check_json(request.headers.get("content-type"))
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body is {length} bytes; this server takes at most {limit}", code="too_large")

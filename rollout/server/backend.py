@@ -4,12 +4,15 @@ Both give `stream(prompt, params)`, a `TokenStream` made inside the server's
 event loop (deltas, then the finished `RolloutOutput`; `cancel()` frees the
 KV). Everything else the server asks of them is here, so routes never touch
 an engine or a cluster directly. Calls that may block (a cluster's health
-is a Ray round trip) are plain methods the app runs in a thread."""
+is a Ray round trip; rendering and tokenizing a prompt) are plain methods
+the app runs in a thread."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from ..chat import is_chat
+from ..engine.requests import PromptLimits, prompt_token_ids, render_chat
 from ..engine.streams import TokenStream
 from ..sampling_params import SamplingParams
 from ..tokenizer import TextCodec
@@ -33,6 +36,10 @@ class Backend(Protocol):
         """Start one prompt (text, token ids or chat messages); raises `ValueError`/`TypeError` on bad input."""
         ...
 
+    def prompt_ids(self, prompt, field: str, tools: list | None = None) -> list[int]:
+        """`prompt_ids` below with this backend's limits (may block: run it in a thread)."""
+        ...
+
     def policy_version(self) -> int: ...
 
     def counters(self) -> dict[str, int]:
@@ -40,6 +47,20 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def prompt_ids(prompt, field: str, tools: list | None, limits: PromptLimits, codec: TextCodec | None) -> list[int]:
+    """One prompt's token ids, checked against `limits`: text tokenized, chat
+    messages rendered by the checkpoint's template (`tools` passed to it) and
+    tokenized. Raises `ValueError`/`TypeError`; template errors name `field`.
+    A long prompt or a slow template takes a while, so the app runs this in a
+    thread, and tokenizes with `encode_unlocked` so its event loop runs meanwhile."""
+    if is_chat(prompt):
+        text = render_chat(field, prompt, codec, tools)  # raises without a template (or a codec)
+        prompt = codec.encode_unlocked(text, add_special_tokens=False)  # the rendering holds them
+    elif isinstance(prompt, str) and codec is not None:
+        prompt = codec.encode_unlocked(prompt)
+    return prompt_token_ids(prompt, limits, codec)
 
 
 class EngineBackend:
@@ -53,6 +74,10 @@ class EngineBackend:
 
     def stream(self, prompt, params: SamplingParams) -> TokenStream:
         return self.engine.stream(prompt, params)
+
+    def prompt_ids(self, prompt, field: str, tools: list | None = None) -> list[int]:
+        limits = PromptLimits.of(self.engine.config, self.engine.model_config)
+        return prompt_ids(prompt, field, tools, limits, self.codec)
 
     def policy_version(self) -> int:
         return self.engine.policy_version
@@ -79,6 +104,9 @@ class ClusterBackend:
 
     def stream(self, prompt, params: SamplingParams) -> TokenStream:
         return self.cluster.stream(prompt, params)
+
+    def prompt_ids(self, prompt, field: str, tools: list | None = None) -> list[int]:
+        return prompt_ids(prompt, field, tools, self.cluster.limits, self.codec)
 
     def policy_version(self) -> int:
         return self.cluster.policy_version()

@@ -22,6 +22,7 @@ class ServerConfig:
     max_n: int  # samples per prompt
     max_tokens: int  # tokens per sample a request may ask for
     api_key: str | None = None  # None: no key asked for
+    allow_no_key: bool = False  # serve without a key on an address other machines can reach
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
     max_prompts: int = 64  # prompts in one /v1/completions request
 
@@ -34,3 +35,5 @@ class ServerConfig:
         check_int("max_prompts", self.max_prompts, 1)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
+        if not isinstance(self.allow_no_key, bool):
+            raise TypeError(f"allow_no_key must be a bool, got {type(self.allow_no_key).__name__}")

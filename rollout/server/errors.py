@@ -2,16 +2,22 @@
 
 Client mistakes are 4xx with `invalid_request_error` (or `authentication_error`);
 nothing a client sends may turn into a 500. Engine `ValueError`/`TypeError`
-(they name the field) become 400s through `from_engine`."""
+(they name the field) become 400s through `from_engine`. A 500 says only
+"internal error" and a request id: exception text can hold paths and pids,
+so the detail goes to the server's log under that id."""
 
 from __future__ import annotations
 
+import logging
 import re
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+
+log = logging.getLogger("rollout.server")
 
 # Request fields an engine message may start with, as the OpenAI request calls them.
 _ENGINE_FIELDS = {
@@ -64,6 +70,14 @@ def from_engine(error: ValueError | TypeError, prompt_field: str) -> APIError:
     return APIError(400, message, param)
 
 
+def internal_error(error: BaseException) -> tuple[dict, str]:
+    """The body of an unexpected failure and its new request id; the traceback is logged under that id."""
+    request_id = uuid.uuid4().hex
+    log.error("internal error (request id %s)", request_id, exc_info=error)
+    body = {"message": "internal error", "type": "server_error", "param": None, "code": None}
+    return {"error": {**body, "request_id": request_id}}, request_id
+
+
 def from_validation(error: ValidationError) -> APIError:
     """A 400 naming the first field pydantic refused (for a field of several
     allowed types, the types: pydantic reports one error per type)."""
@@ -108,5 +122,5 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, error: Exception) -> JSONResponse:
-        message = f"internal error: {type(error).__name__}: {error}"
-        return APIError(500, message, kind="server_error").response()
+        body, request_id = internal_error(error)
+        return JSONResponse(body, status_code=500, headers={"X-Request-Id": request_id})

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from ..engine.streams import SampleDelta, TokenStream
 from ..outputs import RolloutOutput
+from .errors import internal_error
 from .generation import cancel, items
 from .metrics import Metrics
 from .responses import Reply
@@ -55,9 +56,7 @@ async def events(reply: Reply, streams: list[TokenStream], metrics: Metrics) -> 
         if job.include_usage:
             yield sse(reply.usage_chunk(outputs))
     except Exception as e:  # noqa: BLE001 (the client hears of it; the status line has gone out)
-        yield sse(
-            {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None, "code": None}}
-        )
+        yield sse(internal_error(e)[0])
     finally:
         cancel(streams)
     yield SSE_DONE

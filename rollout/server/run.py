@@ -15,6 +15,7 @@ import uvicorn
 from .app import create_app
 from .backend import Backend, ClusterBackend, EngineBackend
 from .config import ServerConfig
+from .security import check_bind
 
 API_KEY_ENV = "ROLLOUT_API_KEY"
 
@@ -40,21 +41,39 @@ def build_backend(args: argparse.Namespace) -> Backend:
     return EngineBackend(Engine(args.model, **sizes))
 
 
-def server_config(args: argparse.Namespace, backend: Backend) -> ServerConfig:
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from `--api-key`, `--api-key-file` (its text, stripped) or the
+    `ROLLOUT_API_KEY` variable, in that order; None when none is set. The file
+    and the variable keep the key out of the command line, which `ps` shows."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give one of --api-key and --api-key-file, not both")
+    if args.api_key_file is not None:
+        key = args.api_key_file.read_text().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+        return key
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def server_config(args: argparse.Namespace, backend: Backend, key: str | None) -> ServerConfig:
     return ServerConfig(
         model_name=args.served_model_name or Path(args.model).resolve().name,
         max_n=args.max_n or backend.max_batch_size,
         max_tokens=args.max_tokens_limit or backend.max_seq_len,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=key,
+        allow_no_key=args.allow_no_key,
         max_body_bytes=args.max_body_bytes,
     )
 
 
 def serve(args: argparse.Namespace) -> int:
-    """`rollout serve`: build the backend, serve until interrupted, close the backend."""
+    """`rollout serve`: check the key and the address, build the backend, serve
+    until interrupted, close the backend."""
+    key = api_key(args)
+    check_bind(args.host, key, args.allow_no_key)  # before the model loads
     backend = build_backend(args)
     try:
-        app = create_app(backend, server_config(args, backend))
+        app = create_app(backend, server_config(args, backend, key), args.host)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
     finally:
         backend.close()
@@ -79,8 +98,10 @@ def start_server(
 ) -> ServerThread:
     """Serve `backend` on a background thread; returns once it accepts connections
     (or raises `RuntimeError` if it could not start within `timeout` seconds).
-    `port=0` picks a free port (`ServerThread.url` says which)."""
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, config), host=host, port=port, log_level="warning"))
+    `port=0` picks a free port (`ServerThread.url` says which). A `host` other
+    machines can reach needs `config.api_key` (or `config.allow_no_key`), else `ValueError`."""
+    app = create_app(backend, config, host)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="rollout-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -5,9 +5,8 @@ before anything starts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..engine.requests import render_chat
 from ..sampling_params import SamplingParams
 from .backend import Backend
 from .config import ServerConfig
@@ -29,6 +28,7 @@ class Job:
     logprobs: bool  # the sampled tokens' logprobs (and params.top_logprobs alternatives) in the response
     return_token_ids: bool  # prompt and completion token ids in the response
     prompt_field: str  # "prompt" or "messages": where prompt errors point
+    tools: list | None = None  # chat: JSON schemas the template renders with the messages
 
 
 def completion_job(req: CompletionRequest, config: ServerConfig, backend: Backend) -> Job:
@@ -52,14 +52,8 @@ def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = req.top_logprobs or 0
     params = _sampling_params(req, config.max_tokens if asked is None else asked, "messages", top)
-    prompt = messages
-    if req.tools is not None:  # the engine renders plain messages itself; with tools, render them here
-        try:
-            text = render_chat("messages", messages, backend.codec, req.tools)
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), "messages") from None
-        prompt = backend.codec.encode(text, add_special_tokens=False)  # the rendering holds them
-    return _job(req, True, [prompt], params, req.logprobs, "messages")
+    job = _job(req, True, [messages], params, req.logprobs, "messages")
+    return replace(job, tools=req.tools)  # the backend renders them with the messages (off the event loop)
 
 
 def _job(req: CommonRequest, chat: bool, prompts: list, params: SamplingParams, logprobs: bool, field: str) -> Job:

@@ -4,8 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from rollout import Engine, SamplingParams
-from rollout.cli import main
+from rollout.cli import InOrder, main
 
 
 def test_generate_writes_one_line_per_prompt(text_checkpoint, tmp_path, capsys):
@@ -75,3 +77,67 @@ def test_bad_prompt_file_is_a_clear_error(text_checkpoint, tmp_path):
         timeout=120,
     )
     assert done.returncode == 2 and "bad.jsonl:2: not valid JSON" in done.stderr
+
+
+def _generate_args(checkpoint, prompts, out, *extra: str) -> list[str]:
+    sizes = ["--max-seq-len", "64", "--kv-cache-tokens", "2048", "--max-tokens", "3", "--quiet"]
+    return ["generate", "--model", str(checkpoint.path), "--prompts", str(prompts), "--out", str(out), *sizes, *extra]
+
+
+def test_out_must_be_new_unless_overwrite_and_never_the_prompts(text_checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("[1, 40, 41]\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text("earlier results\n")
+    assert main(_generate_args(text_checkpoint, prompts, out)) == 2
+    assert "--out" in capsys.readouterr().err and out.read_text() == "earlier results\n"
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(prompts)
+    for same in (prompts, link, tmp_path / "." / "prompts.jsonl"):
+        assert main(_generate_args(text_checkpoint, prompts, same, "--overwrite")) == 2
+        assert "is the --prompts file" in capsys.readouterr().err
+    assert prompts.read_text() == "[1, 40, 41]\n"
+    assert main(_generate_args(text_checkpoint, prompts, out, "--overwrite")) == 0
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["prompt_token_ids"] == [1, 40, 41] and len(record["samples"][0]["token_ids"]) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "out.jsonl", "prompts.jsonl"]
+
+
+def test_records_stream_to_a_file_beside_out_and_an_interrupted_run_leaves_out_as_it_was(
+    text_checkpoint, tmp_path, monkeypatch
+):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("[1, 40, 41]\n[1, 50]\n[1, 60, 61, 62]\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text("earlier results\n")
+    real, partial_lines = Engine.generate_iter, []
+
+    def interrupted(self, token_lists, params):
+        done = set()
+        for index, result in real(self, token_lists, params):
+            yield index, result  # the CLI writes what is in order before asking for the next
+            done.add(index)
+            (partial,) = [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+            prefix = next(i for i in range(len(token_lists) + 1) if i not in done)
+            lines = [json.loads(line) for line in partial.read_text().splitlines()]
+            partial_lines.append((prefix, [r["index"] for r in lines]))
+            if len(done) == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate_iter", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(_generate_args(text_checkpoint, prompts, out, "--overwrite"))
+    assert [lines for _, lines in partial_lines] == [list(range(prefix)) for prefix, _ in partial_lines]
+    assert len(partial_lines) == 2
+    assert out.read_text() == "earlier results\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "prompts.jsonl"]
+
+
+def test_in_order_writes_each_record_once_all_before_it_are_done(tmp_path):
+    path = tmp_path / "records.jsonl"
+    with path.open("w") as f:
+        records, seen = InOrder(f), []
+        for index in [2, 0, 3, 1, 4]:
+            records.add(index, {"index": index})
+            seen.append([json.loads(line)["index"] for line in path.read_text().splitlines()])
+    assert seen == [[], [0], [0], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
