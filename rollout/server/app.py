@@ -27,7 +27,7 @@ from .backend import Backend
 from .config import ServerConfig
 from .errors import APIError, from_validation, install_handlers
 from .events import events
-from .generation import ClientGone, cancel, outputs, start, wait_for_disconnect
+from .generation import ClientGone, InFlight, cancel, outputs, start, wait_for_disconnect
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import Reply, usage
 from .schemas import ChatRequest, CompletionRequest
@@ -38,6 +38,7 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
     """An OpenAI-compatible app over `backend`; the caller runs it (uvicorn) and closes the backend."""
     app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)  # every route is below
     metrics = Metrics()
+    inflight = InFlight(config.max_inflight_tokens)  # every generation route starts its job through it
     install_handlers(app)
     app.add_middleware(CountRequests, metrics=metrics)
     auth = BearerKey(config.api_key)  # called first in every route but /health (cheaper than a dependency)
@@ -71,13 +72,14 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
         return await answer(request, chat_job(body, config, backend))
 
     async def answer(request: Request, job: Job) -> Response:
-        streams = start(job, backend)
+        streams = start(job, backend, inflight)
         reply = Reply(job, config.model_name, backend.codec, backend.policy_version())
         metrics.running += 1
         if job.stream:
 
             def closed() -> None:
                 cancel(streams)
+                inflight.release(job)
                 metrics.running -= 1
 
             return EventStream(events(reply, streams, metrics), closed)
@@ -86,6 +88,7 @@ def create_app(backend: Backend, config: ServerConfig) -> FastAPI:
         except ClientGone:
             raise APIError(499, "the client closed the request", code="client_closed_request") from None
         finally:
+            inflight.release(job)
             metrics.running -= 1
         counts = usage(done)
         metrics.prompt_tokens += counts["prompt_tokens"]

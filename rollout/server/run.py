@@ -47,6 +47,8 @@ def server_config(args: argparse.Namespace, backend: Backend) -> ServerConfig:
         max_tokens=args.max_tokens_limit or backend.max_seq_len,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,
+        max_request_tokens=args.max_request_tokens,
+        max_inflight_tokens=args.max_inflight_tokens,
     )
 
 

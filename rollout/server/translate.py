@@ -1,13 +1,14 @@
 """A parsed request body -> a `Job`: the prompts and `SamplingParams` to start
 on the backend and how to answer. Everything a client can get wrong is
 refused here or by the engine's own checks (a `ValueError`/`TypeError`),
-before anything starts."""
+before anything starts. Prompts are tokenized here, once, so a request's
+work (`request_tokens`) is known, and bounded, before any prompt starts."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.requests import render_chat
+from ..engine.requests import render_chat, request_tokens
 from ..sampling_params import SamplingParams
 from .backend import Backend
 from .config import ServerConfig
@@ -29,6 +30,7 @@ class Job:
     logprobs: bool  # the sampled tokens' logprobs (and params.top_logprobs alternatives) in the response
     return_token_ids: bool  # prompt and completion token ids in the response
     prompt_field: str  # "prompt" or "messages": where prompt errors point
+    work: int  # prompts x n x (prompt tokens + max_tokens): what the request holds while in flight
 
 
 def completion_job(req: CompletionRequest, config: ServerConfig, backend: Backend) -> Job:
@@ -36,7 +38,8 @@ def completion_job(req: CompletionRequest, config: ServerConfig, backend: Backen
     prompts = _prompt_list(req.prompt, config.max_prompts)
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = _sampling_params(req, min(max_tokens, config.max_tokens), "prompt", req.logprobs or 0)
-    return _job(req, False, prompts, params, req.logprobs is not None, "prompt")
+    prompts = [_encode(p, backend) for p in prompts]
+    return _job(req, False, prompts, params, req.logprobs is not None, "prompt", config, backend)
 
 
 def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
@@ -52,19 +55,44 @@ def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = req.top_logprobs or 0
     params = _sampling_params(req, config.max_tokens if asked is None else asked, "messages", top)
-    prompt = messages
-    if req.tools is not None:  # the engine renders plain messages itself; with tools, render them here
-        try:
-            text = render_chat("messages", messages, backend.codec, req.tools)
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), "messages") from None
-        prompt = backend.codec.encode(text, add_special_tokens=False)  # the rendering holds them
-    return _job(req, True, [prompt], params, req.logprobs, "messages")
+    try:
+        text = render_chat("messages", messages, backend.codec, req.tools)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), "messages") from None
+    prompt = backend.codec.encode(text, add_special_tokens=False)  # the rendering holds them
+    return _job(req, True, [prompt], params, req.logprobs, "messages", config, backend)
 
 
-def _job(req: CommonRequest, chat: bool, prompts: list, params: SamplingParams, logprobs: bool, field: str) -> Job:
+def _job(
+    req: CommonRequest,
+    chat: bool,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    logprobs: bool,
+    field: str,
+    config: ServerConfig,
+    backend: Backend,
+) -> Job:
+    work = request_tokens([len(p) for p in prompts], params, backend.max_seq_len)
+    if work > config.max_request_tokens:
+        raise APIError(
+            400,
+            f"max_tokens: {len(prompts)} prompts x n={params.n} x (prompt tokens + max_tokens={params.max_tokens}) "
+            f"come to {work} tokens; this server takes at most {config.max_request_tokens} per request "
+            "(max_request_tokens): lower n, max_tokens or the prompts",
+            "max_tokens",
+        )
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return Job(chat, prompts, params, req.stream, include_usage, logprobs, req.return_token_ids, field)
+    return Job(chat, prompts, params, req.stream, include_usage, logprobs, req.return_token_ids, field, work)
+
+
+def _encode(prompt: str | list[int], backend: Backend) -> list[int]:
+    """A completion prompt's token ids (text tokenized as the engine would)."""
+    if not isinstance(prompt, str):
+        return prompt
+    if backend.codec is None:
+        raise APIError(400, "prompt is text but the checkpoint has no tokenizer.json; send token ids", "prompt")
+    return backend.codec.encode(prompt)
 
 
 def _check_common(req: CommonRequest, config: ServerConfig) -> None:
