@@ -5,6 +5,8 @@ length), the stop matcher's work per token, and a call's total tokens
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 
 from rollout import SamplingParams
@@ -12,7 +14,7 @@ from rollout.engine.requests import PromptLimits, validate_prompts
 from rollout.engine.sequence import Request, Sequence
 from rollout.engine.stop_strings import StopStrings
 from rollout.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
-from rollout.tokenizer import TextCodec
+from rollout.tokenizer import TextCodec, find_stop
 from tests.conftest import make_engine
 
 LIMITS = PromptLimits(vocab_size=100, max_seq_len=256, max_batch_size=16, page_size=16, num_pages=64)
@@ -124,6 +126,29 @@ def test_a_window_that_decodes_apart_from_the_text_never_stops_it():
     assert cut is None
     # Each "##a": itself (3), then a window of 2 + (3 + 4) + 4 = 13 tokens ("##a" and 12 "a").
     assert max(per_token) == 3 + (3 + 12)
+
+
+# Multi-character tokens, and bytes of "€" (E2 82 AC) that split it across tokens.
+BYTES_VOCAB = ["<unk>", "a", "b", "ab", " ", "€", "<0xE2>", "<0x82>", "<0xAC>", "#", "##"]
+STOP_CHARS = ["a", "b", " ", "€", "#", "\ufffd"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    output=st.lists(st.integers(1, len(BYTES_VOCAB) - 1), min_size=1, max_size=120),
+    stops=st.lists(st.lists(st.sampled_from(STOP_CHARS), min_size=1, max_size=6).map("".join), min_size=1, max_size=3),
+)
+def test_stop_matcher_agrees_with_searching_the_whole_text_every_token(output, stops):
+    # The reference decodes the whole output after every token and stops at the first hit.
+    codec = _codec(BYTES_VOCAB, decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()]))
+    expected = None
+    for t in range(1, len(output) + 1):
+        hit = find_stop(codec.decode(output[:t]), stops)
+        if hit is not None:
+            expected = (t, hit)
+            break
+    cut, per_token = _scan(codec, stops, output)
+    assert (None if cut is None else (len(per_token), cut)) == expected
 
 
 def _fields(limits: PromptLimits) -> dict:
