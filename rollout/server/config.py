@@ -8,7 +8,8 @@ from ..checks import check_int
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 # A request's work is its prompts x n x (prompt tokens + max_tokens). The
-# defaults admit 256 samples of 4096 tokens in one request and four such at once.
+# defaults admit 256 samples of 4096 tokens in one request and four such at
+# once; `serve` raises them to the engine's full batch at full length.
 DEFAULT_MAX_REQUEST_TOKENS = 1 << 20
 DEFAULT_MAX_INFLIGHT_TOKENS = 1 << 22
 

@@ -23,7 +23,7 @@ class Job:
     """A validated request."""
 
     chat: bool  # /v1/chat/completions (else /v1/completions)
-    prompts: list  # one per prompt: text, token ids, or chat messages
+    prompts: list[list[int]]  # one per prompt: its token ids (text and chat messages are tokenized here)
     params: SamplingParams
     stream: bool
     include_usage: bool  # streaming: a last chunk with usage
@@ -39,7 +39,8 @@ def completion_job(req: CompletionRequest, config: ServerConfig, backend: Backen
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = _sampling_params(req, min(max_tokens, config.max_tokens), "prompt", req.logprobs or 0)
     prompts = [_encode(p, backend) for p in prompts]
-    return _job(req, False, prompts, params, req.logprobs is not None, "prompt", config, backend)
+    work = _work(prompts, params, config, backend)
+    return _job(req, False, prompts, params, req.logprobs is not None, "prompt", work)
 
 
 def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
@@ -60,19 +61,18 @@ def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), "messages") from None
     prompt = backend.codec.encode(text, add_special_tokens=False)  # the rendering holds them
-    return _job(req, True, [prompt], params, req.logprobs, "messages", config, backend)
+    return _job(req, True, [prompt], params, req.logprobs, "messages", _work([prompt], params, config, backend))
 
 
 def _job(
-    req: CommonRequest,
-    chat: bool,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    logprobs: bool,
-    field: str,
-    config: ServerConfig,
-    backend: Backend,
+    req: CommonRequest, chat: bool, prompts: list, params: SamplingParams, logprobs: bool, field: str, work: int
 ) -> Job:
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    return Job(chat, prompts, params, req.stream, include_usage, logprobs, req.return_token_ids, field, work)
+
+
+def _work(prompts: list[list[int]], params: SamplingParams, config: ServerConfig, backend: Backend) -> int:
+    """The request's `request_tokens`, as the engine counts them; a 400 past `max_request_tokens`."""
     work = request_tokens([len(p) for p in prompts], params, backend.max_seq_len)
     if work > config.max_request_tokens:
         raise APIError(
@@ -82,8 +82,7 @@ def _job(
             "(max_request_tokens): lower n, max_tokens or the prompts",
             "max_tokens",
         )
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return Job(chat, prompts, params, req.stream, include_usage, logprobs, req.return_token_ids, field, work)
+    return work
 
 
 def _encode(prompt: str | list[int], backend: Backend) -> list[int]:

@@ -12,8 +12,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from rollout.cli import parser
 from rollout.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from rollout.server import EngineBackend, ServerConfig, start_server
+from rollout.server.run import server_config
 from tests.conftest import make_engine
 from tests.rollout.server.conftest import SIZES
 
@@ -124,3 +126,36 @@ def test_work_in_flight_past_its_bound_gets_429_on_every_route(gated):
         assert response.json()["error"]["code"] == "server_busy"
     assert body.endswith(b"data: [DONE]\n\n") and held[0].status_code == 200
     assert completion(url, max_tokens=27).status_code == 200  # what they held is released
+
+
+class Sizes:
+    """What `server_config` reads of a backend: its engine's sizes."""
+
+    max_batch_size, max_seq_len = 512, 4096
+
+
+@pytest.mark.parametrize(
+    "flags,request_tokens,inflight_tokens",
+    [
+        ([], 512 * 4096, 4 * 512 * 4096),  # the engine's batch at full length, four in flight
+        (["--max-request-tokens", "100"], 100, 400),
+        (["--max-request-tokens", "100", "--max-inflight-tokens", "100"], 100, 100),
+    ],
+)
+def test_serve_flags_set_the_limits(flags, request_tokens, inflight_tokens):
+    args = parser().parse_args(["serve", "--model", "m", *flags])
+    config = server_config(args, Sizes())
+    assert (config.max_request_tokens, config.max_inflight_tokens) == (request_tokens, inflight_tokens)
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--max-request-tokens", "1"], "max_request_tokens must be an int >= 2"),
+        (["--max-request-tokens", "100", "--max-inflight-tokens", "99"], r"max_inflight_tokens must be an int >= 100"),
+    ],
+)
+def test_serve_refuses_limits_that_admit_nothing(flags, needle):
+    args = parser().parse_args(["serve", "--model", "m", *flags])
+    with pytest.raises(ValueError, match=needle):
+        server_config(args, Sizes())
