@@ -37,9 +37,7 @@ class SamplingParams:
     min_p: float = 0.0  # keep tokens with p >= min_p * p_max
     max_tokens: int = 256  # per sample; capped by the context length, never an error
     stop_token_ids: list[int] | None = None  # plus the tokenizer's eos unless ignore_eos
-    stop: list[str] | str | None = (
-        None  # stop strings (need a tokenizer); <= MAX_STOP_STRINGS of <= MAX_STOP_LENGTH chars
-    )
+    stop: list[str] | str | None = None  # stop strings (need a tokenizer); see MAX_STOP_STRINGS, MAX_STOP_LENGTH
     ignore_eos: bool = False
     seed: int | None = None  # per-request seed: same tokens whatever else is batched
     logprobs_mode: str = "processed"  # "processed" | "raw" | "scaled" (see `LOGPROBS_MODES`)
