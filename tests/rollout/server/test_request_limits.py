@@ -129,7 +129,14 @@ def test_work_in_flight_past_its_bound_gets_429_on_every_route(gated):
         assert response.status_code == 429 and response.headers["retry-after"] == "1", response.text
         assert response.json()["error"]["code"] == "server_busy"
     assert body.endswith(b"data: [DONE]\n\n") and held[0].status_code == 200
-    assert completion(url, max_tokens=27).status_code == 200  # what they held is released
+    assert completion(url, max_tokens=57).status_code == 200  # 3 + 57: both released all they held
+
+
+def test_a_request_the_engine_refuses_holds_nothing(gated):
+    url, _ = gated
+    # 1 + 56 = 57 taken, then the engine refuses the token id: a 400, and the 57 are given back.
+    assert_400(completion(url, prompt=[9999], max_tokens=56), "prompt", "outside the vocabulary")
+    assert completion(url, max_tokens=57).status_code == 200  # 3 + 57: the whole bound is free
 
 
 class Sizes:
