@@ -195,6 +195,8 @@ def _serve_parser(sub) -> None:
     s.add_argument("--max-n", type=int, default=None, help="samples per prompt (default: max batch size)")
     s.add_argument("--max-tokens-limit", type=int, default=None, help="max_tokens bound (default: max seq len)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body bound (default: 1 MiB)")
+    s.add_argument("--max-request-tokens", type=int, default=None, help="prompts x n x (prompt + max_tokens) bound")
+    s.add_argument("--max-inflight-tokens", type=int, default=None, help="the same over requests not yet answered")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--access-log", action="store_true", help="log every request")
     _engine_flags(s)

@@ -11,6 +11,10 @@ from .checks import as_token_ids, check_int, check_number
 LOGPROBS_MODES = ("processed", "raw", "scaled")
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API and vLLM's default bound
+# Stop strings are searched after every token of every sample: their count and
+# length bound that work (and the text a stream holds back), so both are capped.
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 256  # characters per stop string
 # Below this, logits / temperature can overflow float32 (a subnormal temperature makes every
 # logprob NaN); a caller after near-greedy sampling wants temperature 0.
 MIN_TEMPERATURE = 1e-6
@@ -38,7 +42,7 @@ class SamplingParams:
     min_p: float = 0.0  # keep tokens with p >= min_p * p_max
     max_tokens: int = 256  # per sample; capped by the context length, never an error
     stop_token_ids: list[int] | None = None  # plus the tokenizer's eos unless ignore_eos
-    stop: list[str] | str | None = None  # stop strings (need a tokenizer)
+    stop: list[str] | str | None = None  # stop strings (need a tokenizer); see MAX_STOP_STRINGS, MAX_STOP_LENGTH
     ignore_eos: bool = False
     seed: int | None = None  # per-request seed: same tokens whatever else is batched
     logprobs_mode: str = "processed"  # "processed" | "raw" | "scaled" (see `LOGPROBS_MODES`)
@@ -108,9 +112,11 @@ def _stop_strings(stop: object) -> list[str] | None:
     items = [stop] if isinstance(stop, str) else stop
     if not isinstance(items, (list, tuple)):
         raise TypeError(f"stop must be a string, a list of strings or None, got {type(stop).__name__}")
-    for s in items:
+    if len(items) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(items)}")
+    for i, s in enumerate(items):
         if not isinstance(s, str):
             raise TypeError(f"stop must hold strings, got {s!r} ({type(s).__name__})")
-        if not s:
-            raise ValueError("stop strings must be non-empty")
+        if not 1 <= len(s) <= MAX_STOP_LENGTH:
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_LENGTH} characters, stop[{i}] has {len(s)}")
     return list(items) or None

@@ -39,6 +39,7 @@ class EngineConfig:
     seed: int  # seeds the per-request seeds of unseeded requests
     decode_graphs: str  # resolved: "off", "eager" or "cuda" (see rollout.engine.decode_graphs)
     kernels: str  # "compiled" (rollout.kernels) or "torch" (torch ops); "auto" until the Engine loads the kernels
+    max_request_tokens: int | None = None  # bound on one call's prompts x n x (prompt + max_tokens); None: none
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -61,6 +62,7 @@ class EngineConfig:
         kernels="auto",
         kv_cache_dtype=None,
         matmul_dtype=None,
+        max_request_tokens=None,
     ) -> EngineConfig:
         dev = _device(device)
         graphs = resolve_mode(decode_graphs, dev) if isinstance(decode_graphs, str) else None
@@ -88,6 +90,8 @@ class EngineConfig:
             kv_cache_tokens = _default_kv_tokens(mc, dev, kv_dt, max_batch_size * max_seq_len)
         kv_cache_tokens = check_int("kv_cache_tokens", kv_cache_tokens, page_size, "(at least one page)")
         kernel_choice = check_kernels(kernels, dev)
+        if max_request_tokens is not None:
+            max_request_tokens = check_int("max_request_tokens", max_request_tokens, 1, "or None (no bound)")
         return cls(
             device=dev,
             dtype=dt,
@@ -101,6 +105,7 @@ class EngineConfig:
             seed=seed,
             decode_graphs=graphs,
             kernels=kernel_choice,
+            max_request_tokens=max_request_tokens,
         )
 
 

@@ -68,7 +68,9 @@ class Engine(WeightsAPI):
     gathered pages with SDPA), `kv_cache_dtype` (None: the model's; "bfloat16"
     under float32 halves the pool, at a logprob cost), `matmul_dtype` (None:
     the model's; "bfloat16" under float32: the layers' projections multiply
-    in bfloat16 with float32 accumulation, at a logprob cost), `step_callback`.
+    in bfloat16 with float32 accumulation, at a logprob cost), `max_request_tokens`
+    (None: no bound; else a call whose prompts x n x (prompt tokens +
+    max_tokens) exceed it raises `ValueError`, see `request_tokens`), `step_callback`.
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class Engine(WeightsAPI):
         kernels: str = "auto",
         kv_cache_dtype: str | torch.dtype | None = None,
         matmul_dtype: str | torch.dtype | None = None,
+        max_request_tokens: int | None = None,
         step_callback: Callable[[StepInfo], None] | None = None,
     ) -> None:
         self.model_config = ModelConfig.from_dir(model_path)
@@ -105,6 +108,7 @@ class Engine(WeightsAPI):
             kernels=kernels,
             kv_cache_dtype=kv_cache_dtype,
             matmul_dtype=matmul_dtype,
+            max_request_tokens=max_request_tokens,
         )
         self.codec = TextCodec.from_dir(model_path, self.model_config.eos_token_ids)
         self._cpu_ops = load_kernels(cfg.kernels)  # compiled at first use; None: torch ops only

@@ -28,10 +28,12 @@ class PromptLimits:
     max_batch_size: int
     page_size: int
     num_pages: int
+    max_request_tokens: int | None = None  # one call's `request_tokens` at most; None: no bound
 
     @classmethod
     def of(cls, cfg: EngineConfig, mc: ModelConfig) -> PromptLimits:
-        return cls(mc.vocab_size, cfg.max_seq_len, cfg.max_batch_size, cfg.page_size, cfg.num_pages)
+        sizes = (cfg.max_seq_len, cfg.max_batch_size, cfg.page_size, cfg.num_pages)
+        return cls(mc.vocab_size, *sizes, cfg.max_request_tokens)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -46,7 +48,27 @@ def validate_prompts(
     _check_params(params, limits, codec)
     for i, ids in enumerate(token_lists):
         _check_fits(i, ids, params, limits)
+    _check_work(token_lists, params, limits)
     return token_lists, texts
+
+
+def request_tokens(prompt_lengths: list[int], params: SamplingParams, max_seq_len: int) -> int:
+    """The work one call asks for, in tokens: each prompt's tokens plus the
+    outputs it may sample (`max_tokens`, capped by the context), times `n`.
+    It bounds the compute, the KV written and the results held for the call."""
+    return sum(params.n * (k + min(params.max_tokens, max_seq_len - k)) for k in prompt_lengths)
+
+
+def _check_work(token_lists: list[list[int]], params: SamplingParams, limits: PromptLimits) -> None:
+    if limits.max_request_tokens is None:
+        return
+    work = request_tokens([len(ids) for ids in token_lists], params, limits.max_seq_len)
+    if work > limits.max_request_tokens:
+        raise ValueError(
+            f"max_tokens: {len(token_lists)} prompts x n={params.n} x (prompt tokens + max_tokens="
+            f"{params.max_tokens}) come to {work} tokens, over max_request_tokens ({limits.max_request_tokens}); "
+            "lower n, max_tokens or the prompts, or split the call"
+        )
 
 
 def prompt_token_ids(prompt, limits: PromptLimits, codec: TextCodec | None, tools: list | None = None) -> list[int]:

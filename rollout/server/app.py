@@ -30,12 +30,12 @@ from .backend import Backend
 from .config import ServerConfig
 from .errors import APIError, from_validation, install_handlers
 from .events import events
-from .generation import ClientGone, cancel, outputs, start, wait_for_disconnect
+from .generation import ClientGone, InFlight, cancel, outputs, start, wait_for_disconnect
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import Reply, usage
 from .schemas import ChatRequest, CompletionRequest
 from .security import LoopbackHosts, check_bind, check_json, is_loopback
-from .translate import Job, chat_job, completion_job
+from .translate import Job, chat_job, completion_job, request_work
 
 
 def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") -> FastAPI:
@@ -46,6 +46,7 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
     check_bind(host, config.api_key, config.allow_no_key)
     app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)  # every route is below
     metrics = Metrics()
+    inflight = InFlight(config.max_inflight_tokens)  # every generation route starts its job through it
     install_handlers(app)
     app.add_middleware(CountRequests, metrics=metrics)
     if is_loopback(host):
@@ -81,13 +82,14 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
         return await answer(request, await asyncio.to_thread(prepare, chat_job, body, config, backend))
 
     async def answer(request: Request, job: Job) -> Response:
-        streams = start(job, backend)
+        streams = start(job, backend, inflight)
         reply = Reply(job, config.model_name, backend.codec, backend.policy_version())
         metrics.running += 1
         if job.stream:
 
             def closed() -> None:
                 cancel(streams)
+                inflight.release(job)
                 metrics.running -= 1
 
             return EventStream(events(reply, streams, metrics), closed)
@@ -96,6 +98,7 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
         except ClientGone:
             raise APIError(499, "the client closed the request", code="client_closed_request") from None
         finally:
+            inflight.release(job)
             metrics.running -= 1
         counts = usage(done)
         metrics.prompt_tokens += counts["prompt_tokens"]
@@ -139,14 +142,15 @@ class BearerKey:
 
 
 def prepare(make_job: Callable[..., Job], body: BaseModel, config: ServerConfig, backend: Backend) -> Job:
-    """The request's `Job` with every prompt as checked token ids (run in a
-    thread: templates and long prompts take time); a 400 naming the prompt's field."""
+    """The request's `Job` with every prompt as checked token ids and its work
+    bounded (run in a thread: templates and long prompts take time); a 400
+    naming the prompt's field, or `max_tokens` past `max_request_tokens`."""
     job = make_job(body, config, backend)
     try:
         prompts = [backend.prompt_ids(p, job.prompt_field, job.tools) for p in job.prompts]
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), job.prompt_field) from None
-    return dataclasses.replace(job, prompts=prompts)
+    return dataclasses.replace(job, prompts=prompts, work=request_work(prompts, job.params, config, backend))
 
 
 async def parse(request: Request, model: type[BaseModel], limit: int) -> BaseModel:

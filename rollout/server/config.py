@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from ..checks import check_int
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# A request's work is its prompts x n x (prompt tokens + max_tokens). The
+# defaults admit 256 samples of 4096 tokens in one request and four such at
+# once; `serve` raises them to the engine's full batch at full length.
+DEFAULT_MAX_REQUEST_TOKENS = 1 << 20
+DEFAULT_MAX_INFLIGHT_TOKENS = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,7 +21,9 @@ class ServerConfig:
     `max_n` and `max_tokens` bound a request before it reaches the engine
     (which caps `max_tokens` by the context and refuses what cannot fit in its
     KV); `serve` defaults them to the engine's `max_batch_size` and
-    `max_seq_len`."""
+    `max_seq_len`. `max_request_tokens` bounds one request's work (a 400
+    past it) and `max_inflight_tokens` the work of every request accepted and
+    not yet answered (a 429 with `Retry-After` past it); see docs/serving.md."""
 
     model_name: str  # the one name `/v1/models` lists and requests must use (or omit)
     max_n: int  # samples per prompt
@@ -25,6 +32,8 @@ class ServerConfig:
     allow_no_key: bool = False  # serve without a key on an address other machines can reach
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
     max_prompts: int = 64  # prompts in one /v1/completions request
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS  # one request's prompts x n x (prompt + max_tokens)
+    max_inflight_tokens: int = DEFAULT_MAX_INFLIGHT_TOKENS  # the same, summed over requests not yet answered
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -33,6 +42,10 @@ class ServerConfig:
         check_int("max_tokens", self.max_tokens, 1)
         check_int("max_body_bytes", self.max_body_bytes, 1024)
         check_int("max_prompts", self.max_prompts, 1)
+        check_int("max_request_tokens", self.max_request_tokens, 2)  # one prompt token and one to sample
+        check_int(
+            "max_inflight_tokens", self.max_inflight_tokens, self.max_request_tokens, "(at least max_request_tokens)"
+        )
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
         if not isinstance(self.allow_no_key, bool):

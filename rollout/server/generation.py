@@ -1,11 +1,15 @@
 """Running a `Job` on the backend: one `TokenStream` per prompt, read in the
 event loop; whatever way a request ends (finished, failed, client gone),
-its streams are cancelled, so an abandoned request frees its KV."""
+its streams are cancelled, so an abandoned request frees its KV. A job is
+started only while the work the server has accepted and not answered stays
+within its bound (`InFlight`), so a flood of requests gets 429s, not memory."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi.responses import JSONResponse
 
 from ..engine.engine import ClosedError
 from ..engine.streams import SampleDelta, TokenStream
@@ -16,26 +20,62 @@ from .translate import Job
 
 Item = SampleDelta | RolloutOutput
 _END = object()
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait: requests end at token pace, so soon
+
+
+class ServerBusy(APIError):
+    """A 429: the server holds as much work as it may; retry after `RETRY_AFTER_S`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(429, message, code="server_busy")
+
+    def response(self) -> JSONResponse:
+        response = super().response()
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
+
+
+class InFlight:
+    """The work (`Job.work` tokens) of the jobs started and not yet answered,
+    bounded by `limit`. Only the event loop's thread calls it: no lock."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.tokens = 0
+
+    def take(self, job: Job) -> None:
+        """Count `job` in, or raise `ServerBusy` (nothing counted) past the limit."""
+        if self.tokens + job.work > self.limit:
+            raise ServerBusy(
+                f"the server is at its bound of work in flight ({self.tokens} of {self.limit} tokens taken; "
+                f"this request needs {job.work}, see max_inflight_tokens): retry after {RETRY_AFTER_S} s"
+            )
+        self.tokens += job.work
+
+    def release(self, job: Job) -> None:
+        self.tokens -= job.work
 
 
 class ClientGone(Exception):
     """The client closed its connection before its response was ready."""
 
 
-def start(job: Job, backend: Backend) -> list[TokenStream]:
-    """Start every prompt of `job`; a prompt the engine refuses cancels those started and raises a 400."""
+def start(job: Job, backend: Backend, inflight: InFlight) -> list[TokenStream]:
+    """Start every prompt of `job`, counted in `inflight` (the caller releases it
+    when the response ends; a 429 when it is full); a prompt the engine refuses
+    cancels those started, releases the job and raises a 400."""
+    inflight.take(job)
     streams: list[TokenStream] = []
     try:
         for prompt in job.prompts:
             streams.append(backend.stream(prompt, job.params))
-    except ClosedError as e:  # a ValueError too: check it first
+    except BaseException as e:
+        inflight.release(job)
         cancel(streams)
-        raise APIError(503, f"the server is shutting down: {e}", kind="server_error") from None
-    except (ValueError, TypeError) as e:
-        cancel(streams)
-        raise from_engine(e, job.prompt_field) from None
-    except BaseException:
-        cancel(streams)
+        if isinstance(e, ClosedError):  # a ValueError too: check it first
+            raise APIError(503, f"the server is shutting down: {e}", kind="server_error") from None
+        if isinstance(e, (ValueError, TypeError)):
+            raise from_engine(e, job.prompt_field) from None
         raise
     return streams
 

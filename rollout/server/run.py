@@ -14,7 +14,7 @@ import uvicorn
 
 from .app import create_app
 from .backend import Backend, ClusterBackend, EngineBackend
-from .config import ServerConfig
+from .config import DEFAULT_MAX_REQUEST_TOKENS, ServerConfig
 from .security import check_bind
 
 API_KEY_ENV = "ROLLOUT_API_KEY"
@@ -56,6 +56,9 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 def server_config(args: argparse.Namespace, backend: Backend, key: str | None) -> ServerConfig:
+    # By default one request may fill the engine's batch at full length, four such in flight.
+    full_batch = max(DEFAULT_MAX_REQUEST_TOKENS, backend.max_batch_size * backend.max_seq_len)
+    max_request_tokens = full_batch if args.max_request_tokens is None else args.max_request_tokens
     return ServerConfig(
         model_name=args.served_model_name or Path(args.model).resolve().name,
         max_n=args.max_n or backend.max_batch_size,
@@ -63,6 +66,8 @@ def server_config(args: argparse.Namespace, backend: Backend, key: str | None) -
         api_key=key,
         allow_no_key=args.allow_no_key,
         max_body_bytes=args.max_body_bytes,
+        max_request_tokens=max_request_tokens,
+        max_inflight_tokens=4 * max_request_tokens if args.max_inflight_tokens is None else args.max_inflight_tokens,
     )
 
 

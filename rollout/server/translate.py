@@ -1,12 +1,14 @@
 """A parsed request body -> a `Job`: the prompts and `SamplingParams` to start
 on the backend and how to answer. Everything a client can get wrong is
 refused here or by the engine's own checks (a `ValueError`/`TypeError`),
-before anything starts."""
+before anything starts. The app tokenizes a job's prompts off its event loop,
+then bounds its work (`request_work`) before any prompt starts."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..engine.requests import request_tokens
 from ..sampling_params import SamplingParams
 from .backend import Backend
 from .config import ServerConfig
@@ -29,6 +31,7 @@ class Job:
     return_token_ids: bool  # prompt and completion token ids in the response
     prompt_field: str  # "prompt" or "messages": where prompt errors point
     tools: list | None = None  # chat: JSON schemas the template renders with the messages
+    work: int = 0  # prompts x n x (prompt tokens + max_tokens), once tokenized: what it holds in flight
 
 
 def completion_job(req: CompletionRequest, config: ServerConfig, backend: Backend) -> Job:
@@ -59,6 +62,21 @@ def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
 def _job(req: CommonRequest, chat: bool, prompts: list, params: SamplingParams, logprobs: bool, field: str) -> Job:
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     return Job(chat, prompts, params, req.stream, include_usage, logprobs, req.return_token_ids, field)
+
+
+def request_work(prompts: list[list[int]], params: SamplingParams, config: ServerConfig, backend: Backend) -> int:
+    """The work of a request of tokenized `prompts`, as the engine counts it
+    (`request_tokens`); a 400 past `config.max_request_tokens`."""
+    work = request_tokens([len(p) for p in prompts], params, backend.max_seq_len)
+    if work > config.max_request_tokens:
+        raise APIError(
+            400,
+            f"max_tokens: {len(prompts)} prompts x n={params.n} x (prompt tokens + max_tokens={params.max_tokens}) "
+            f"come to {work} tokens; this server takes at most {config.max_request_tokens} per request "
+            "(max_request_tokens): lower n, max_tokens or the prompts",
+            "max_tokens",
+        )
+    return work
 
 
 def _check_common(req: CommonRequest, config: ServerConfig) -> None:
