@@ -131,9 +131,8 @@ def _validated_copy(params: SamplingParams) -> SamplingParams:
 
 def render_chat(name: str, messages, codec: TextCodec | None, tools: list | None = None) -> str:
     """The prompt text of chat `messages` (with the generation prompt) by the
-    checkpoint's template; errors name `name` and what is wrong."""
-    import jinja2
-
+    checkpoint's template; errors name `name` and what is wrong (a template's
+    own failures are `ChatTemplateError`s, `ValueError`s too)."""
     if codec is None or codec.chat is None:
         raise ValueError(
             f"{name} is chat messages but the checkpoint has no chat template "
@@ -143,8 +142,6 @@ def render_chat(name: str, messages, codec: TextCodec | None, tools: list | None
         return codec.chat.render(list(messages), add_generation_prompt=True, tools=tools)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{name}: {e}") from None
-    except jinja2.TemplateError as e:  # the template itself refused them (raise_exception)
-        raise ValueError(f"{name}: the chat template refused these messages: {e}") from None
 
 
 def _tokenize(

@@ -67,7 +67,8 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
     async def metrics_text(request: Request) -> PlainTextResponse:
         auth.check(request)
         counters = await asyncio.to_thread(backend.counters)
-        return PlainTextResponse(metrics.render(backend.policy_version(), counters), media_type=CONTENT_TYPE)
+        text = metrics.render(backend.policy_version(), counters, inflight.tokens)
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

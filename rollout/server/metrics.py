@@ -25,7 +25,7 @@ class Metrics:
         self.completion_tokens = 0  # tokens sent to clients
         self.running = 0  # generation requests in flight
 
-    def render(self, policy_version: int, backend: dict[str, int]) -> str:
+    def render(self, policy_version: int, backend: dict[str, int], inflight_tokens: int = 0) -> str:
         lines: list[str] = []
         _family(lines, "rollout_requests_total", "counter", "HTTP responses by endpoint and status.")
         for (endpoint, status), count in sorted(self.requests.items()):
@@ -34,6 +34,12 @@ class Metrics:
             ("rollout_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
             ("rollout_completion_tokens_total", "counter", "Generated tokens sent.", self.completion_tokens),
             ("rollout_requests_running", "gauge", "Generation requests in flight.", self.running),
+            (
+                "rollout_inflight_tokens",
+                "gauge",
+                "Work of the requests in flight: prompts x n x (prompt tokens + max_tokens).",
+                inflight_tokens,
+            ),
             ("rollout_policy_version", "gauge", "Policy version of the weights serving now.", policy_version),
             ("rollout_kv_pages_used", "gauge", "KV cache pages in use.", backend["kv_pages_used"]),
             ("rollout_kv_pages_total", "gauge", "KV cache pages in all.", backend["kv_pages_total"]),

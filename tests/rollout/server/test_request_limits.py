@@ -114,6 +114,7 @@ def test_work_in_flight_past_its_bound_gets_429_on_every_route(gated):
             timeout=WAIT_S,
         ) as second:
             assert second.status_code == 200  # 30 + 30: exactly at the bound
+            assert "\nrollout_inflight_tokens 60\n" in httpx.get(url + "/metrics", timeout=WAIT_S).text
             busy = [
                 completion(url, prompt=[1], max_tokens=1),  # 2 more tokens
                 completion(url, prompt=[1], max_tokens=1, stream=True),
@@ -130,6 +131,7 @@ def test_work_in_flight_past_its_bound_gets_429_on_every_route(gated):
         assert response.json()["error"]["code"] == "server_busy"
     assert body.endswith(b"data: [DONE]\n\n") and held[0].status_code == 200
     assert completion(url, max_tokens=57).status_code == 200  # 3 + 57: both released all they held
+    assert "\nrollout_inflight_tokens 0\n" in httpx.get(url + "/metrics", timeout=WAIT_S).text
 
 
 def test_a_request_the_engine_refuses_holds_nothing(gated):
