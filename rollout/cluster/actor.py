@@ -153,17 +153,19 @@ class RolloutWorker:
         as they are sampled, then the finished `RolloutOutput`. A stream
         cancelled before this call started yields nothing."""
         self._raise_injected("stream_tokens")
-        if self._aborts.take_early(stream_id):
-            return  # cancelled before it came: nothing is computed
-        stream = self.engine.stream(prompt, params)  # its request joins the engine's next step
+        stream = None
         try:
+            if self._aborts.take_early(stream_id):
+                return  # cancelled before it came: nothing is computed
+            stream = self.engine.stream(prompt, params)  # its request joins the engine's next step
             if self._aborts.register(stream_id, stream.cancel):
-                return  # the driver cancelled it first: nobody reads it
+                return  # cancelled in between: nobody reads it
             for item in stream:  # noqa: UP028 (not `yield from`: Ray's generator protocol sends into it)
                 yield item
         finally:
             self._aborts.finish(stream_id)
-            stream.cancel()  # a no-op once finished; a driver that stopped reading frees the KV
+            if stream is not None:
+                stream.cancel()  # a no-op once finished; a driver that stopped reading frees the KV
 
     def cancel_stream(self, stream_id: str) -> None:
         """Abort the stream `stream_id` (its KV is freed); an id not seen yet is
@@ -259,8 +261,8 @@ class RolloutWorker:
             self.engine.discard_weights(entry[0])
 
     def health(self) -> dict:
-        """Version, scheduler and KV usage, computed and recompute counters, sessions, copied buckets and
-        resident memory of this actor."""
+        """Version, scheduler and KV usage, computed and recompute counters, sessions, aborts waiting for
+        their call, copied buckets and resident memory of this actor."""
         stats = self.engine.stats()
         return {
             "pid": os.getpid(),
@@ -274,6 +276,7 @@ class RolloutWorker:
             "discarded_tokens": stats["discarded_tokens"],
             "sessions": self._sessions.num_kept,  # kept between turns
             "session_turns": self._sessions.num_running,
+            "early_aborts": self._aborts.num_early + self._sessions.num_early_aborts,  # for calls not started yet
             "buckets_copied": self._buckets_copied,
             "rss_bytes": resident_bytes(),
             "rss_private_bytes": resident_bytes("RssAnon"),

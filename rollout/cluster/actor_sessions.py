@@ -58,6 +58,11 @@ class EngineSessions:
         with self._lock:
             return sum(self._running.values())
 
+    @property
+    def num_early_aborts(self) -> int:
+        """Aborts remembered for turns that have not started here."""
+        return self._aborts.num_early
+
     def turn(self, session_id: str, token_ids: list[int], params: SamplingParams, turn_id: str) -> Sample:
         """Sample one continuation of `token_ids` for `session_id`; `abort(turn_id)`
         ends it. A turn aborted before it started returns at once with reason

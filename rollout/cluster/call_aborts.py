@@ -37,6 +37,7 @@ class CallAborts:
         self._lock = threading.Lock()
         self._running: dict[str, Callable[[], None]] = {}  # call id -> how to abort it
         self._early: OrderedDict[str, float] = OrderedDict()  # call id -> when its abort came, oldest first
+        self._ended: OrderedDict[str, None] = OrderedDict()  # calls ended lately: a late abort is not early
 
     def register(self, call_id: str, abort: Callable[[], None]) -> bool:
         """Record how to abort the call `call_id`. If its abort came first,
@@ -62,12 +63,16 @@ class CallAborts:
         """The call ended: later aborts of `call_id` have nothing to end."""
         with self._lock:
             self._running.pop(call_id, None)
+            self._ended[call_id] = None
+            if len(self._ended) > self._limit:
+                self._ended.popitem(last=False)
 
     def abort(self, call_id: str) -> None:
-        """Abort the call `call_id` now if it runs, else when it registers."""
+        """Abort the call `call_id` now if it runs, else when it registers (a
+        call that ended lately has nothing left to abort)."""
         with self._lock:
             abort = self._running.get(call_id)
-            if abort is None:
+            if abort is None and call_id not in self._ended:
                 self._forget_expired()
                 self._early[call_id] = self._clock()
                 while len(self._early) > self._limit:
@@ -77,7 +82,7 @@ class CallAborts:
 
     @property
     def num_early(self) -> int:
-        """Aborts remembered for calls that have not registered."""
+        """Aborts remembered for calls that have not started."""
         with self._lock:
             return len(self._early)
 

@@ -72,6 +72,8 @@ def test_call_aborts_remember_early_aborts_bounded_and_for_a_while():
     aborts.abort("b")
     assert ended == ["a", "b"]
     aborts.finish("b")
+    aborts.abort("b")  # late: its call ended, nothing is kept for it
+    assert aborts.num_early == 0 and ended == ["a", "b"]
     for k in "cde":  # only the newest two are remembered
         aborts.abort(k)
     assert aborts.num_early == 2 and not aborts.take_early("c") and aborts.take_early("d")
@@ -81,8 +83,8 @@ def test_call_aborts_remember_early_aborts_bounded_and_for_a_while():
 
 def test_a_generate_call_aborted_before_it_starts_computes_nothing(worker):
     before = _idle(worker)
-    worker.abort_generation("early")
-    outs = list(worker.generate_stream([4, 9], PROMPTS, LONG, "early"))
+    worker.abort_generation("early-generate")
+    outs = list(worker.generate_stream([4, 9], PROMPTS, LONG, "early-generate"))
     assert sorted(o.index for o in outs) == [4, 9]
     for out in outs:
         assert [(s.finish_reason, s.token_ids, s.logprobs, s.versions) for s in out.samples] == [
@@ -90,17 +92,17 @@ def test_a_generate_call_aborted_before_it_starts_computes_nothing(worker):
         ] * 8
     after = _idle(worker)
     assert after["computed_tokens"] == before["computed_tokens"] and after["kv_pages_used"] == before["kv_pages_used"]
-    (later,) = worker.generate_stream([0], PROMPTS[:1], SamplingParams(max_tokens=3, ignore_eos=True), "later")
+    (later,) = worker.generate_stream([0], PROMPTS[:1], SamplingParams(max_tokens=3, ignore_eos=True), "later-generate")
     assert later.samples[0].finish_reason == "length"  # the abort ended its own call only
 
 
 def test_a_stream_cancelled_before_it_starts_computes_nothing(worker):
     before = _idle(worker)
-    worker.cancel_stream("early")
-    assert list(worker.stream_tokens("early", PROMPTS[0], LONG)) == []
+    worker.cancel_stream("early-stream")
+    assert list(worker.stream_tokens("early-stream", PROMPTS[0], LONG)) == []
     after = _idle(worker)
     assert after["computed_tokens"] == before["computed_tokens"] and after["kv_pages_used"] == before["kv_pages_used"]
-    *_, out = worker.stream_tokens("later", PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    *_, out = worker.stream_tokens("later-stream", PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True))
     assert isinstance(out, RolloutOutput) and out.samples[0].finish_reason == "length"
 
 
@@ -111,6 +113,7 @@ def test_a_session_turn_aborted_before_it_starts_ends_that_turn_only(worker):
     assert (first.finish_reason, first.token_ids, first.logprobs, first.versions) == ("abort", [], [], [])
     assert _idle(worker)["computed_tokens"] == before["computed_tokens"]
     worker.session_abort("turn-1")  # late: its turn is over, and the next turn is not touched
+    assert worker.health()["early_aborts"] == 0
     second = worker.session_turn("sess", PROMPTS[0], SamplingParams(max_tokens=5, ignore_eos=True), "turn-2")
     assert second.finish_reason == "length" and len(second.token_ids) == 5
     worker.session_close("sess")
@@ -152,7 +155,7 @@ RUNS = {"generate": (_run_generate, "abort_generation"), "stream": (_run_stream,
 RUNS["session"] = (_run_turn, "session_abort")
 
 
-@settings(max_examples=24, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     kind=st.sampled_from(sorted(RUNS)),
     when=st.one_of(st.just("before"), st.just("never"), st.integers(0, 8)),  # an int: after that many steps
