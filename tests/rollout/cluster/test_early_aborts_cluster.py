@@ -13,9 +13,11 @@ import threading
 import pytest
 
 from rollout import RolloutCluster, SamplingParams
+from rollout.cluster import streams
 from tests.rollout.cluster.test_cluster import wait_until
 from tests.rollout.cluster.test_sessions import PROMPT, _pause_while
 
+cancel_on = streams._cancel_on
 LONG = SamplingParams(n=8, max_tokens=100, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=2, ignore_eos=True)
 
@@ -92,13 +94,18 @@ def test_a_submit_aborted_before_its_call_starts_on_the_actor(narrow, hold):
     assert after["kv_pages_used"] == before["kv_pages_used"] and after["early_aborts"] == 0
 
 
-def test_a_stream_cancelled_before_its_call_starts_on_the_actor(narrow, hold):
+def test_a_stream_cancelled_before_its_call_starts_on_the_actor(narrow, hold, monkeypatch):
+    sent: list[str] = []  # the cancels the driver sent to an actor (none if it cancelled before dispatching)
+    monkeypatch.setattr(
+        streams, "_cancel_on", lambda slot, stream_id: sent.append(stream_id) or cancel_on(slot, stream_id)
+    )
     sess = narrow.session(PROMPT)
     before = _idle(narrow)
     held = Held(narrow, hold, lambda: sess.generate(SHORT))  # streams share the session threads
     try:
         stream = narrow.stream(PROMPT, LONG)
         stream.cancel()
+        wait_until(lambda: _health(narrow)["early_aborts"] == len(sent), 60)  # it got there first
     finally:
         held.release()
     with pytest.raises(asyncio.CancelledError):
@@ -121,7 +128,10 @@ def test_a_session_turn_aborted_before_it_starts_on_the_actor(narrow, hold):
         )
         turn.start()
         wait_until(lambda: sess._backend._current is not None, 60)  # the turn is under way on the driver
+        call = sess._backend._current
         sess.abort()
+        sent = call._slot is not None  # the turn was sent to the actor before the abort: so was the abort
+        wait_until(lambda: _health(narrow)["early_aborts"] == int(sent), 60)  # it got there first
     finally:
         held.release()
     turn.join(60)
