@@ -18,12 +18,12 @@ import torch
 from ..checks import is_int
 from ..engine.engine import Engine
 from ..engine.requests import PromptLimits
-from ..engine.streams import Generation, TokenStream
 from ..engine.weight_update import StagedUpdate, all_finite
 from ..model.weight_slots import WeightSlot
 from ..outputs import RolloutOutput, Sample
 from ..sampling_params import SamplingParams
 from .actor_sessions import EngineSessions
+from .call_aborts import CallAborts
 from .host import cap_malloc_arenas, lower_thread_priority, resident_bytes, touch_pages
 from .wire import Manifest, TensorEntry
 from .wire_receive import VerifyShare, assemble, unpack, unpack_entries, verification_shares, verify_entries
@@ -75,8 +75,7 @@ class RolloutWorker:
         cap_malloc_arenas()
         self.engine = Engine(model_path, **engine_kwargs)
         self._sessions = EngineSessions(self.engine)
-        self._streams: dict[str, TokenStream] = {}  # the driver's stream id -> the engine's stream
-        self._generations: dict[str, Generation] = {}  # generate_stream call id -> its iterator
+        self._aborts = CallAborts()  # generate_stream calls and token streams, by the driver's id
         self._incoming: dict[str, dict[int, tuple[tuple[TensorEntry, ...], np.ndarray]]] = {}
         self._prepared: dict[str, tuple[StagedUpdate, tuple[np.ndarray, ...]]] = {}
         self._lock = threading.Lock()
@@ -122,53 +121,60 @@ class RolloutWorker:
         self, indices: list[int], prompts: list[list[int]], params: SamplingParams, call_id: str = ""
     ) -> Iterator[RolloutOutput]:
         """Each prompt's output as it finishes, `index` set to the caller's prompt
-        index; `abort_generation(call_id)` ends the unfinished ones at once."""
+        index; `abort_generation(call_id)` ends the unfinished ones at once,
+        even when it came before this call started (then every sample is
+        yielded with reason "abort" and no tokens, and nothing is computed)."""
         self._raise_injected("generate_stream")
-        generation = self.engine.generate_iter(prompts, params)
-        self._generations[call_id] = generation
+        generation = self.engine.generate_iter(prompts, params)  # its requests join at the first `next`
+        self._aborts.register(call_id, generation.abort)
         try:
             for i, out in generation:
                 out.index = indices[i]
                 yield out
         finally:
-            self._generations.pop(call_id, None)
+            self._aborts.finish(call_id)
 
     def abort_generation(self, call_id: str) -> None:
         """End the unfinished samples of the `generate_stream` call `call_id` now
-        (they are still yielded, with reason "abort"); unknown ids are ignored."""
-        generation = self._generations.get(call_id)
-        if generation is not None:
-            generation.abort()
+        (they are still yielded, with reason "abort"); an id not seen yet is
+        aborted when its call starts."""
+        self._aborts.abort(call_id)
 
-    def session_turn(self, session_id: str, token_ids: list[int], params: SamplingParams) -> Sample:
+    def session_turn(self, session_id: str, token_ids: list[int], params: SamplingParams, turn_id: str) -> Sample:
         """One turn of the driver's session `session_id` from its whole
         trajectory `token_ids`, reusing the KV of its last turn here when
-        there is one (`actor_sessions.EngineSessions`)."""
+        there is one (`actor_sessions.EngineSessions`); `session_abort(turn_id)`
+        ends it, even before it started."""
         self._raise_injected("session_turn")
-        return self._sessions.turn(session_id, token_ids, params)
+        return self._sessions.turn(session_id, token_ids, params, turn_id)
 
     def stream_tokens(self, stream_id: str, prompt: list[int], params: SamplingParams) -> Iterator:
         """One prompt's samples token by token (`Engine.stream`): `SampleDelta`s
-        as they are sampled, then the finished `RolloutOutput`."""
+        as they are sampled, then the finished `RolloutOutput`. A stream
+        cancelled before this call started yields nothing."""
         self._raise_injected("stream_tokens")
-        stream = self.engine.stream(prompt, params)
-        self._streams[stream_id] = stream
+        stream = None
         try:
+            if self._aborts.take_early(stream_id):
+                return  # cancelled before it came: nothing is computed
+            stream = self.engine.stream(prompt, params)  # its request joins the engine's next step
+            if self._aborts.register(stream_id, stream.cancel):
+                return  # cancelled in between: nobody reads it
             for item in stream:  # noqa: UP028 (not `yield from`: Ray's generator protocol sends into it)
                 yield item
         finally:
-            self._streams.pop(stream_id, None)
-            stream.cancel()  # a no-op once finished; a driver that stopped reading frees the KV
+            self._aborts.finish(stream_id)
+            if stream is not None:
+                stream.cancel()  # a no-op once finished; a driver that stopped reading frees the KV
 
     def cancel_stream(self, stream_id: str) -> None:
-        """Abort the stream `stream_id` (its KV is freed); unknown ids are ignored."""
-        stream = self._streams.get(stream_id)
-        if stream is not None:
-            stream.cancel()
+        """Abort the stream `stream_id` (its KV is freed); an id not seen yet is
+        cancelled when its call starts."""
+        self._aborts.abort(stream_id)
 
-    def session_abort(self, session_id: str) -> None:
-        """End the turn of `session_id` in flight here, if any."""
-        self._sessions.abort(session_id)
+    def session_abort(self, turn_id: str) -> None:
+        """End the session turn `turn_id` here, now or, if it has not started, when it starts."""
+        self._sessions.abort(turn_id)
 
     def session_close(self, session_id: str) -> None:
         """Close the engine session kept for `session_id`, if any."""
@@ -255,8 +261,8 @@ class RolloutWorker:
             self.engine.discard_weights(entry[0])
 
     def health(self) -> dict:
-        """Version, scheduler and KV usage, computed and recompute counters, sessions, copied buckets and
-        resident memory of this actor."""
+        """Version, scheduler and KV usage, computed and recompute counters, sessions, aborts waiting for
+        their call, copied buckets and resident memory of this actor."""
         stats = self.engine.stats()
         return {
             "pid": os.getpid(),
@@ -270,6 +276,7 @@ class RolloutWorker:
             "discarded_tokens": stats["discarded_tokens"],
             "sessions": self._sessions.num_kept,  # kept between turns
             "session_turns": self._sessions.num_running,
+            "early_aborts": self._aborts.num_early + self._sessions.num_early_aborts,  # for calls not started yet
             "buckets_copied": self._buckets_copied,
             "rss_bytes": resident_bytes(),
             "rss_private_bytes": resident_bytes("RssAnon"),

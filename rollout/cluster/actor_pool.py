@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 
 from ..engine.engine import ClosedError
 from ..sampling_params import SamplingParams
@@ -165,12 +166,16 @@ class ActorPool:
         with self.cond:
             return [s for s in self.slots if s.state == "alive"]
 
-    def wait_for_live(self) -> list[ActorSlot]:
+    def wait_for_live(self, stop: Callable[[], bool] | None = None) -> list[ActorSlot]:
         """Alive actors, waiting up to `timeout_s` for a replacement when none
-        is; call holding `cond`. Raises when every actor is dead for good."""
+        is; call holding `cond`. Raises when every actor is dead for good.
+        Returns [] once `stop()` is true (checked whenever `cond` is
+        notified: whoever makes it true calls `wake()`)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             self.check_open()
+            if stop is not None and stop():
+                return []
             live = [s for s in self.slots if s.state == "alive"]
             if live:
                 return live
@@ -182,6 +187,11 @@ class ActorPool:
             if left <= 0:
                 raise TimeoutError(f"no rollout actor came back within {self.timeout_s} s")
             self.cond.wait(left)
+
+    def wake(self) -> None:
+        """Wake `wait_for_live`'s waiters to check their `stop` again."""
+        with self.cond:
+            self.cond.notify_all()
 
     def wait_until_healthy(self, timeout: float | None = None) -> None:
         """Block until every actor is alive (after respawns), or raise `TimeoutError`."""

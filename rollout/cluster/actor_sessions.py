@@ -8,6 +8,10 @@ token ids lead the ones sent, the rest is appended and the KV carries on;
 otherwise (evicted, replaced, a turn the driver gave up on) a fresh engine
 session starts from the driver's ids. Either way the turn samples the same
 tokens; only the work differs.
+
+The driver names every turn, and aborts a turn by that name: an abort that
+arrives before its turn started ends exactly that turn when it starts (with
+no tokens), never a later one (`call_aborts.CallAborts`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from ..engine.engine import Engine
 from ..engine.session import Session
 from ..outputs import Sample
 from ..sampling_params import SamplingParams
+from .call_aborts import CallAborts
 
 # Sessions kept between turns. Each holds its trajectory and a lease, which
 # gives its pages back whenever anything else needs them, so the bound is
@@ -37,7 +42,7 @@ class EngineSessions:
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, tuple[int, Session]] = OrderedDict()  # id -> (turn ticket, session)
         self._running: Counter[str] = Counter()  # turns in flight per id
-        self._active: dict[str, Session] = {}  # id -> the session of its turn in flight (abort ends it)
+        self._aborts = CallAborts()  # turns in flight by the driver's turn id, and turns aborted before they came
         self._closed: OrderedDict[str, None] = OrderedDict()  # ids closed lately, oldest first
         self._tickets = itertools.count()
 
@@ -53,9 +58,16 @@ class EngineSessions:
         with self._lock:
             return sum(self._running.values())
 
-    def turn(self, session_id: str, token_ids: list[int], params: SamplingParams) -> Sample:
-        """Sample one continuation of `token_ids` for `session_id`; the
-        engine's own errors (bad ids, params) propagate unchanged."""
+    @property
+    def num_early_aborts(self) -> int:
+        """Aborts remembered for turns that have not started here."""
+        return self._aborts.num_early
+
+    def turn(self, session_id: str, token_ids: list[int], params: SamplingParams, turn_id: str) -> Sample:
+        """Sample one continuation of `token_ids` for `session_id`; `abort(turn_id)`
+        ends it. A turn aborted before it started returns at once with reason
+        "abort" and no tokens, its session kept as it was. The engine's own
+        errors (bad ids, params) propagate unchanged."""
         with self._lock:
             kept = self._kept.pop(session_id, (None, None))[1]  # a turn has its session to itself
             self._running[session_id] += 1
@@ -63,23 +75,23 @@ class EngineSessions:
         sess = None
         try:
             sess = self._continued(kept, token_ids)
-            with self._lock:
-                self._active[session_id] = sess
-            sample = sess.generate(params)
+            if self._aborts.register(turn_id, sess.abort):
+                sample = unstarted(params, self._engine.codec is not None)
+            else:
+                sample = sess.generate(params)
         except BaseException:
             if sess is not None:
                 sess.close()
             self._finish(session_id, ticket, None)
             raise
+        finally:
+            self._aborts.finish(turn_id)
         self._finish(session_id, ticket, sess)
         return sample
 
-    def abort(self, session_id: str) -> None:
-        """End `session_id`'s turn in flight, if any (it returns with reason "abort")."""
-        with self._lock:
-            sess = self._active.get(session_id)
-        if sess is not None:
-            sess.abort()
+    def abort(self, turn_id: str) -> None:
+        """End the turn `turn_id` (it returns with reason "abort"), now or when it starts."""
+        self._aborts.abort(turn_id)
 
     def close(self, session_id: str) -> None:
         """Close `session_id`'s engine session (its KV goes back); idempotent."""
@@ -111,8 +123,6 @@ class EngineSessions:
         unless the session was closed meanwhile; evict beyond the bound."""
         dropped = []
         with self._lock:
-            if self._active.get(session_id) is sess:
-                del self._active[session_id]
             self._running[session_id] -= 1
             if not self._running[session_id]:
                 del self._running[session_id]
@@ -128,3 +138,9 @@ class EngineSessions:
                     dropped.append(self._kept.popitem(last=False)[1][1])
         for s in dropped:
             s.close()
+
+
+def unstarted(params: SamplingParams, decodes: bool) -> Sample:
+    """The sample of a turn aborted before it started, as the engine would end
+    it: no tokens (and empty text where the engine decodes)."""
+    return Sample([], [], [], "abort", "" if decodes else None, [] if params.top_logprobs else None)

@@ -8,7 +8,7 @@ The dispatch never touches Ray: it works through the small `Pool` interface
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from ..engine.requests import PromptLimits, validate_prompts
@@ -38,8 +38,12 @@ class Pool(Protocol):
     def check_open(self) -> None:
         """Raise `ClosedError` once the cluster is shut down."""
 
-    def wait_for_live(self) -> list[ActorSlot]:
-        """The alive actors, waiting a bounded time for one; called holding `cond`."""
+    def wait_for_live(self, stop: Callable[[], bool] | None = None) -> list[ActorSlot]:
+        """The alive actors, waiting a bounded time for one; called holding
+        `cond`. Returns [] once `stop()` is true."""
+
+    def wake(self) -> None:
+        """Make `wait_for_live`'s waiters check their `stop` again."""
 
     def actor_died(self, slot: ActorSlot, generation: int, why: str) -> None:
         """Report that `slot`'s actor of `generation` died (the pool replaces it)."""
@@ -103,12 +107,15 @@ class GenerationDispatch:
     def _dispatch(self, handle: GenerationHandle, prompts, params: SamplingParams, indices: list[int]) -> None:
         """Send the prompts `indices` to the live actors and consume each stream on its own thread."""
         cost = params.n * params.max_tokens
+        handle._on_abort(self._pool.wake)  # an abort ends the wait for a live actor
         with self._pool.cond:
-            live = self._pool.wait_for_live()
-            chosen = balance(indices, prompts, {s.index: s.load for s in live}, cost)
+            live = self._pool.wait_for_live(lambda: handle.aborted)
+            chosen = balance(indices, prompts, {s.index: s.load for s in live}, cost) if live else {}
             for slot in live:
                 slot.load += cost * len(chosen[slot.index])
             shares = [_Share(s, s.generation, s.handle, chosen[s.index]) for s in live if chosen[s.index]]
+        if not live:  # aborted while no actor was alive: nothing starts
+            _deliver_aborted(handle, prompts, params, indices)
         for share in shares:
             handle._assign(share.indices, share.slot.label)
             stream = self._pool.open_stream(
@@ -141,10 +148,7 @@ class GenerationDispatch:
             self._pool.actor_died(share.slot, share.generation, "died while generating")
             lost = handle._missing(sorted(remaining))  # an output already delivered is never generated again
             if handle.aborted:  # nothing is regenerated after an abort: the lost samples end empty
-                for i in lost:
-                    top = [] if params.top_logprobs else None
-                    empty = [Sample([], [], [], "abort", top_logprobs=top) for _ in range(params.n)]
-                    handle._deliver(RolloutOutput(list(prompts[i]), empty, index=i))
+                _deliver_aborted(handle, prompts, params, lost)
             elif lost:
                 try:
                     self._dispatch(handle, prompts, params, lost)
@@ -158,3 +162,11 @@ class GenerationDispatch:
         with self._pool.cond:
             if share.slot.generation == share.generation:  # a replacement starts with no load
                 share.slot.load = max(0, share.slot.load - amount)
+
+
+def _deliver_aborted(handle: GenerationHandle, prompts, params: SamplingParams, indices: list[int]) -> None:
+    """Deliver the prompts `indices`, aborted before anything was sampled: every sample empty."""
+    for i in indices:
+        top = [] if params.top_logprobs else None
+        empty = [Sample([], [], [], "abort", top_logprobs=top) for _ in range(params.n)]
+        handle._deliver(RolloutOutput(list(prompts[i]), empty, index=i))

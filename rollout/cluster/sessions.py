@@ -19,12 +19,14 @@ import contextlib
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 from ..engine.requests import PromptLimits, validate_prompts
 from ..outputs import Sample
 from ..sampling_params import SamplingParams
 from ..tokenizer import TextCodec
+from .actor_sessions import unstarted
 from .actor_slots import ActorGone, ActorSlot, unwrap
 from .dispatch import Pool
 from .ray_runtime import SESSIONS, control, ray_module
@@ -46,12 +48,17 @@ class ClusterSessions:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
 
-    def pin(self, previous: ActorSlot | None = None) -> tuple[ActorSlot, int]:
+    def pin(
+        self, previous: ActorSlot | None = None, stop: Callable[[], bool] | None = None
+    ) -> tuple[ActorSlot, int] | None:
         """A live actor for a session (moving from `previous`, if given) and its
         generation: the least loaded, then the one with the fewest sessions.
-        Waits a bounded time when none is alive (`Pool.wait_for_live`)."""
+        Waits a bounded time when none is alive (`Pool.wait_for_live`); None
+        once `stop()` is true."""
         with self.pool.cond:
-            live = self.pool.wait_for_live()
+            live = self.pool.wait_for_live(stop)
+            if not live:
+                return None
             slot = min(live, key=lambda s: (s.load, self._pins[s.index], s.index))
             if previous is not None:
                 self._pins[previous.index] -= 1
@@ -62,13 +69,12 @@ class ClusterSessions:
         with self.pool.cond:
             self._pins[slot.index] -= 1
 
-    def run_turn(self, slot: ActorSlot, session_id: str, token_ids: list[int], params: SamplingParams) -> Sample:
-        """One turn on `slot`'s actor, on its generate threads. Raises
+    def run_turn(self, slot: ActorSlot, ref) -> Sample:
+        """Wait for the turn `ref` (`TurnCall.start`) on `slot`'s actor. Raises
         `ActorGone` when the actor died, `TimeoutError` past `turn_timeout_s`,
         else the actor's own error as it was raised there."""
         ray = ray_module()
         try:
-            ref = slot.handle.session_turn.options(concurrency_group=SESSIONS).remote(session_id, token_ids, params)
             return ray.get(ref, timeout=self.turn_timeout_s)
         except ray.exceptions.RayActorError as e:
             raise ActorGone(f"{slot.label} died while running a session turn: {e}") from e
@@ -99,6 +105,39 @@ class ClusterSessions:
                 self._executor = None
 
 
+class TurnCall:
+    """One turn of a cluster session, named by its own id: an abort ends this
+    turn only, whether it is waiting for a live actor (it never starts),
+    started (the actor ends it, even if the abort gets there first) or
+    running again after its actor died (it is not run again)."""
+
+    def __init__(self) -> None:
+        self.turn_id = uuid.uuid4().hex
+        self._lock = threading.Lock()  # orders starting the turn on an actor against an abort
+        self.aborted = False
+        self._slot: ActorSlot | None = None  # where it was last started
+
+    def start(self, slot: ActorSlot, session_id: str, token_ids: list[int], params: SamplingParams):
+        """Start the turn on `slot`'s actor: the call's ref, None once aborted."""
+        with self._lock:
+            if self.aborted:
+                return None
+            method = slot.handle.session_turn.options(concurrency_group=SESSIONS)
+            ref = method.remote(session_id, token_ids, params, self.turn_id)
+            self._slot = slot
+            return ref
+
+    def abort(self, pool: Pool) -> None:
+        """End the turn wherever it is; wakes it if it waits for a live actor."""
+        with self._lock:
+            self.aborted = True
+            slot = self._slot
+        if slot is not None:
+            with contextlib.suppress(Exception):  # a dead actor has no turn left to end
+                control(slot.handle, "session_abort").remote(self.turn_id)
+        pool.wake()
+
+
 class ClusterTurns:
     """A session's turns on a cluster, pinned to one actor (a `SessionBackend`).
 
@@ -115,6 +154,7 @@ class ClusterTurns:
         self.session_id = uuid.uuid4().hex  # names the session's engine session on its actor
         self.slot, self.generation = sessions.pin()  # the actor of `generation` in `slot` holds its KV
         self._released = False
+        self._current: TurnCall | None = None  # the turn under way, what `abort` ends
 
     def turn(self, token_ids: list[int], params: SamplingParams) -> Future:
         """Start sampling one continuation of `token_ids` on the pinned actor
@@ -122,38 +162,56 @@ class ClusterTurns:
         the future gives its `Sample`. The turn is checked here first."""
         self._sessions.pool.check_open()
         validate_prompts([token_ids], params, self._limits, self.codec)  # as the actor would, before it does
-        return self._sessions.executor().submit(self._run, list(token_ids), params)
+        call = TurnCall()
+        self._current = call
+        return self._sessions.executor().submit(self._run, call, list(token_ids), params)
 
-    def _run(self, token_ids: list[int], params: SamplingParams) -> Sample:
+    def _run(self, call: TurnCall, token_ids: list[int], params: SamplingParams) -> Sample:
         """The turn on the pinned actor, pinning again and running the turn
-        again from `token_ids` when it died."""
+        again from `token_ids` when it died; aborted before it started
+        anywhere (or before it ran again), it gives a sample with no tokens."""
         pool = self._sessions.pool
         cost = params.max_tokens
-        while True:
-            slot, generation = self._start(cost)
-            try:
-                return self._sessions.run_turn(slot, self.session_id, token_ids, params)
-            except ActorGone:
-                pool.actor_died(slot, generation, "died while running a session turn")
-            finally:
-                with pool.cond:
-                    if slot.generation == generation:  # a replacement starts with no load
-                        slot.load = max(0, slot.load - cost)
+        try:
+            while True:
+                pinned = self._start(call, cost)
+                if pinned is None:
+                    return unstarted(params, self.codec is not None)
+                slot, generation = pinned
+                try:
+                    ref = call.start(slot, self.session_id, token_ids, params)
+                    if ref is None:
+                        return unstarted(params, self.codec is not None)
+                    return self._sessions.run_turn(slot, ref)
+                except ActorGone:
+                    pool.actor_died(slot, generation, "died while running a session turn")
+                finally:
+                    with pool.cond:
+                        if slot.generation == generation:  # a replacement starts with no load
+                            slot.load = max(0, slot.load - cost)
+        finally:
+            if self._current is call:
+                self._current = None
 
-    def _start(self, cost: int) -> tuple[ActorSlot, int]:
+    def _start(self, call: TurnCall, cost: int) -> tuple[ActorSlot, int] | None:
         """The actor for a turn, pinned again if the pinned one is no longer
-        alive; its load counts the turn, as dispatch counts a group."""
+        alive; its load counts the turn, as dispatch counts a group. None
+        once `call` is aborted while it waits for a live actor."""
         pool = self._sessions.pool
         with pool.cond:
             if self.slot.state != "alive" or self.slot.generation != self.generation:
-                self.slot, self.generation = self._sessions.pin(self.slot)
+                pinned = self._sessions.pin(self.slot, lambda: call.aborted)
+                if pinned is None:
+                    return None
+                self.slot, self.generation = pinned
             self.slot.load += cost
             return self.slot, self.generation
 
     def abort(self) -> None:
-        """End the turn in flight on the pinned actor (it returns with reason "abort")."""
-        with contextlib.suppress(Exception):  # a dead actor has no turn left to end
-            control(self.slot.handle, "session_abort").remote(self.session_id)
+        """End the turn under way (it returns with reason "abort"), even one that has not started on an actor."""
+        call = self._current
+        if call is not None:
+            call.abort(self._sessions.pool)
 
     def release(self) -> None:
         """Drop the engine session on the pinned actor; idempotent."""

@@ -92,11 +92,14 @@ class FakePool:
     def check_open(self) -> None:
         pass
 
-    def wait_for_live(self) -> list[ActorSlot]:
+    def wait_for_live(self, stop=None) -> list[ActorSlot]:
         live = [s for s in self.slots if s.state == "alive"]
         if not live:
             raise RuntimeError("no rollout actor is alive")
         return live
+
+    def wake(self) -> None:
+        pass
 
     def actor_died(self, slot: ActorSlot, generation: int, why: str) -> None:
         with self.cond:
