@@ -289,8 +289,8 @@ class Engine(WeightsAPI):
             )
         (request,) = self._requests([token_ids], params)
         request.lease_slot = slot
+        slot.request = request  # what Session.abort ends: set first, so an abort racing the submit ends it
         (future,) = self._background.submit([request], pick=_only_sample)
-        slot.request = request  # what Session.abort ends
         return future
 
     def _requests(self, prompts, params: SamplingParams) -> list[Request]:
