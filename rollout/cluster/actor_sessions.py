@@ -75,10 +75,16 @@ class EngineSessions:
         sess = None
         try:
             sess = self._continued(kept, token_ids)
-            if self._aborts.register(turn_id, sess.abort):
+            aborted = threading.Event()  # an abort between registering and the engine holding the turn
+
+            def abort(sess: Session = sess) -> None:
+                aborted.set()
+                sess.abort()
+
+            if self._aborts.register(turn_id, abort):
                 sample = unstarted(params, self._engine.codec is not None)
             else:
-                sample = sess.generate(params)
+                sample = sess.generate(params, abort=aborted)
         except BaseException:
             if sess is not None:
                 sess.close()

@@ -92,8 +92,10 @@ class Session:
         self._logprobs = [0.0] * len(prompt_ids)
         self._versions = [-1] * len(prompt_ids)
         self._lock = threading.Lock()  # one call at a time changes the trajectory
-        self._state = threading.Lock()  # guards `_closed` only: close() never waits for a turn
+        self._state = threading.Lock()  # guards `_closed` and the turn start's flags: never held across a turn
         self._closed = False
+        self._starting = False  # a turn is being handed to the backend (guarded by `_state`)
+        self._abort_asked = False  # abort() came while it was: replayed once the backend holds it
         self.samples: list[Sample] = []  # every turn's sample, in order
         self._after_turn = False  # the trajectory ends with a sampled turn
 
@@ -128,22 +130,43 @@ class Session:
         return self._backend.max_seq_len
 
     # -- turns ---------------------------------------------------------------------------
-    def generate(self, params: SamplingParams | None = None) -> Sample:
+    def generate(self, params: SamplingParams | None = None, *, abort: threading.Event | None = None) -> Sample:
         """Sample the next turn from `token_ids` exactly; returns it and appends it.
 
         `params.n` must be 1. The turn's tokens run under whatever version the
-        engine serves at each step (see `Sample.versions`).
+        engine serves at each step (see `Sample.versions`). `abort`: an event
+        another thread may set before this turn has started, to end it as
+        soon as it does (it returns with reason "abort"); once it has started,
+        `abort()` ends it. A caller that cannot tell which (a control thread
+        racing this call) sets the event, then calls `abort()`.
         """
         params = _turn_params(params)
         with self._hold("generate"):
-            return self._record(self._backend.turn(self._ids, params).result())
+            return self._record(self._start_turn(params, abort).result())
 
-    async def generate_async(self, params: SamplingParams | None = None) -> Sample:
+    async def generate_async(
+        self, params: SamplingParams | None = None, *, abort: threading.Event | None = None
+    ) -> Sample:
         """`generate` for asyncio code: awaits the turn without a thread, so
         many sessions' turns batch together while the event loop goes on."""
         params = _turn_params(params)
         with self._hold("generate_async"):
-            return self._record(await asyncio.wrap_future(self._backend.turn(self._ids, params)))
+            return self._record(await asyncio.wrap_future(self._start_turn(params, abort)))
+
+    def _start_turn(self, params: SamplingParams, abort: threading.Event | None) -> Future:
+        """The turn's future. Until the backend holds the turn, `abort()` has
+        nothing to end, so one that comes meanwhile is replayed once it does."""
+        with self._state:
+            self._starting, self._abort_asked = True, False
+        try:
+            future = self._backend.turn(self._ids, params)
+        finally:
+            with self._state:
+                self._starting = False
+                asked = self._abort_asked or (abort is not None and abort.is_set())
+        if asked:
+            self._backend.abort()
+        return future
 
     def _record(self, sample: Sample) -> Sample:
         self._ids += sample.token_ids
@@ -183,6 +206,8 @@ class Session:
         the tokens sampled so far, which join the trajectory. Safe from any
         thread or task; a no-op between turns. The next turn recomputes the
         session's KV (an aborted turn's pages are not kept)."""
+        with self._state:
+            self._abort_asked = self._abort_asked or self._starting  # a turn being started ends once it is
         self._backend.abort()
 
     def close(self) -> None:

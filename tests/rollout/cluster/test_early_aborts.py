@@ -120,6 +120,25 @@ def test_a_session_turn_aborted_before_it_starts_ends_that_turn_only(worker):
     assert _idle(worker)["kv_pages_used"] == before["kv_pages_used"]
 
 
+def test_a_session_abort_between_registering_and_starting_the_turn_ends_it(worker, monkeypatch):
+    """The abort lands after the turn registered its id and before the engine
+    holds its request: the turn ends "abort" all the same, far short of 100."""
+    aborts = worker._sessions._aborts
+    register = aborts.register
+
+    def register_then_abort(call_id, abort):
+        started = register(call_id, abort)
+        aborts.abort(call_id)  # the control thread's abort, right after the id is known
+        return started
+
+    monkeypatch.setattr(aborts, "register", register_then_abort)
+    turn = worker.session_turn("racing", PROMPTS[0], SamplingParams(max_tokens=100, ignore_eos=True), "turn-r")
+    monkeypatch.undo()
+    assert turn.finish_reason == "abort" and len(turn.token_ids) < 100
+    worker.session_close("racing")
+    _idle(worker)
+
+
 def _run_generate(worker, call_id: str, params: SamplingParams) -> list[tuple[list[int], object]]:
     outs = list(worker.generate_stream([0, 1], PROMPTS, params, call_id))
     assert sorted(o.index for o in outs) == [0, 1]  # every prompt exactly once

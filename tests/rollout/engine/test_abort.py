@@ -114,3 +114,25 @@ def test_a_session_abort_racing_the_turns_submission_ends_that_turn(qwen2, monke
     assert first.finish_reason == "length"
     assert turn.finish_reason == "abort" and turn.token_ids == []
     assert sess.token_ids == PROMPTS[0] + first.token_ids
+
+
+def test_a_session_abort_while_the_turn_is_being_started_ends_that_turn(qwen2, monkeypatch):
+    """An abort that lands before the engine has made the turn's request (here:
+    while its request is built) is kept and ends the turn once it exists."""
+    engine = make_engine(qwen2.path)
+    sess = engine.session(PROMPTS[0])
+    first = sess.generate(SamplingParams(max_tokens=2, ignore_eos=True))
+    make = engine._requests
+
+    def abort_then_make(*args, **kwargs):
+        sess.abort()
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_requests", abort_then_make)
+    turn = sess.generate(SamplingParams(max_tokens=200, ignore_eos=True))
+    monkeypatch.undo()
+    assert first.finish_reason == "length"
+    assert turn.finish_reason == "abort" and len(turn.token_ids) < 200
+    later = sess.generate(SamplingParams(max_tokens=3, ignore_eos=True))  # the abort is spent: later turns run
+    assert later.finish_reason == "length" and len(later.token_ids) == 3
+    sess.close()
