@@ -7,8 +7,9 @@ requests. When the stepper raises, the step's work is run again one request
 at a time: a request whose own share raises is a culprit, ended and failed
 with that error; every other request is recomputed (the failed step's KV is
 not trusted) and goes on as if the step had not run. An error that no single
-request reproduces (the device, a transient fault) stays the error of the
-caller whose thread ran the step, as any failed step is.
+request reproduces (a transient fault), or that every one of several does (a
+device that fails whatever it runs), stays the error of the caller whose
+thread ran the step, as any failed step is.
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ def run_step(stepper: Stepper, scheduler: Scheduler, plan: StepPlan, failures: R
     """Step `plan` and apply its result; True when it was applied. When the step
     raises, the requests whose own share raises are aborted and their errors
     recorded in `failures`, the rest recomputed, and False returned; when no
-    request's share raises alone, the step's error propagates."""
+    request's share raises alone, or every one of several does (the device,
+    not a row), the step's error propagates."""
     try:
         result = stepper.step(plan)
     except Exception:
         culprits = find_culprits(stepper, plan)
-        if not culprits:
+        requests = {c.seq.request.request_id for c in plan.chunks}
+        if not culprits or len(requests) > 1 and len(culprits) == len(requests):
             raise
         recover(scheduler, stepper)
         for request, error in culprits:

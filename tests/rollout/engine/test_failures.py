@@ -45,6 +45,25 @@ def test_failing_step_surfaces_and_engine_recovers(qwen2, monkeypatch):
     assert _snapshot(engine.generate(PROMPTS, PARAMS)) == expected
 
 
+def test_a_step_every_request_fails_alone_is_the_steps_error_not_theirs(qwen2, monkeypatch):
+    """A device that fails whatever it runs: each request's share fails alone
+    too, but no request is to blame, so the step's own error propagates."""
+    engine = make_engine(qwen2.path)
+    calls = {"n": 0}
+
+    def broken(plan):
+        calls["n"] += 1
+        raise RuntimeError(f"device fell over (step call {calls['n']})")
+
+    monkeypatch.setattr(engine.stepper, "step", broken)
+    with pytest.raises(RuntimeError, match=r"\(step call 1\)"):
+        engine.generate(PROMPTS, PARAMS)
+    assert calls["n"] == 3  # the step, then each of the two requests' shares alone
+    assert not engine._failures._errors and not engine.scheduler.requests  # nothing pinned on a request
+    monkeypatch.undo()
+    assert engine.stats()["kv_pages_used"] == 0
+
+
 def test_failure_of_one_caller_leaves_the_other_callers_exact(qwen2, monkeypatch):
     engine = make_engine(qwen2.path)
     expected = _snapshot(engine.generate(PROMPTS, PARAMS))
