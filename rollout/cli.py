@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -93,14 +94,22 @@ def replacing(out: Path) -> Iterator[IO[str]]:
     removed if the block fails (so `out` is never half-written). Beside it so
     the rename stays on one filesystem and is atomic."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")  # a fresh name
+    partial = Path(name)
     try:
-        with partial.open("x") as f:  # "x": never clobber another run's file
+        os.chmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would outlive the rename
+        with os.fdopen(fd, "w") as f:
             yield f
         os.replace(partial, out)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 class InOrder:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from ..engine.engine import ClosedError
+from ..engine.errors import NoActorInTimeError, NoLiveActorError
 from ..sampling_params import SamplingParams
 from .actor import RolloutWorker
 from .actor_slots import ActorCall, ActorGone, ActorSlot, Published, PushGate, unwrap
@@ -180,12 +181,12 @@ class ActorPool:
             if live:
                 return live
             if all(s.state == "dead" for s in self.slots):
-                raise RuntimeError(
+                raise NoLiveActorError(
                     "no rollout actor is alive: " + "; ".join(f"{s.label}: {s.error}" for s in self.slots)
                 )
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"no rollout actor came back within {self.timeout_s} s")
+                raise NoActorInTimeError(f"no rollout actor came back within {self.timeout_s} s")
             self.cond.wait(left)
 
     def wake(self) -> None:

@@ -26,11 +26,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
+from ..engine.errors import UnavailableError
 from .backend import Backend
 from .config import ServerConfig
 from .errors import APIError, from_validation, install_handlers
 from .events import events
-from .generation import ClientGone, InFlight, cancel, outputs, start, wait_for_disconnect
+from .generation import ClientGone, InFlight, cancel, outputs, start, unavailable, wait_for_disconnect
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import Reply, usage
 from .schemas import ChatRequest, CompletionRequest
@@ -83,8 +84,8 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
         return await answer(request, await asyncio.to_thread(prepare, chat_job, body, config, backend))
 
     async def answer(request: Request, job: Job) -> Response:
+        reply = Reply(job, config.model_name, backend.codec, backend.policy_version())  # before start: nothing to undo
         streams = start(job, backend, inflight)
-        reply = Reply(job, config.model_name, backend.codec, backend.policy_version())
         metrics.running += 1
         if job.stream:
 
@@ -98,7 +99,10 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
             done = await outputs(streams, lambda: wait_for_disconnect(request.receive))
         except ClientGone:
             raise APIError(499, "the client closed the request", code="client_closed_request") from None
+        except UnavailableError as e:  # no actor came back, or a shutdown, while it waited
+            raise unavailable(e) from None
         finally:
+            cancel(streams)  # a no-op for finished streams; an error leaves nothing running
             inflight.release(job)
             metrics.running -= 1
         counts = usage(done)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from ..engine.errors import UnavailableError
 from ..engine.streams import SampleDelta, TokenStream
 from ..outputs import RolloutOutput
 from .errors import internal_error
-from .generation import cancel, items
+from .generation import cancel, items, unavailable
 from .metrics import Metrics
 from .responses import Reply
 from .streaming import SSE_DONE, SampleText, sse
@@ -55,6 +56,8 @@ async def events(reply: Reply, streams: list[TokenStream], metrics: Metrics) -> 
                     yield sse(reply.last_chunk(p * n + k, texts[p * n + k].finish(s.text), s.finish_reason, item))
         if job.include_usage:
             yield sse(reply.usage_chunk(outputs))
+    except UnavailableError as e:  # no actor came back, or a shutdown, while it waited: a 503's body
+        yield sse(unavailable(e).body())
     except Exception as e:  # noqa: BLE001 (the client hears of it; the status line has gone out)
         yield sse(internal_error(e)[0])
     finally:

@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi.responses import JSONResponse
 
 from ..engine.engine import ClosedError
+from ..engine.errors import UnavailableError
 from ..engine.streams import SampleDelta, TokenStream
 from ..outputs import RolloutOutput
 from .backend import Backend
-from .errors import APIError, from_engine
+from .errors import APIError, from_engine, log
 from .translate import Job
 
 Item = SampleDelta | RolloutOutput
@@ -23,16 +24,20 @@ _END = object()
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait: requests end at token pace, so soon
 
 
-class ServerBusy(APIError):
-    """A 429: the server holds as much work as it may; retry after `RETRY_AFTER_S`."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(429, message, code="server_busy")
+class RetryLater(APIError):
+    """An error whose request may succeed later: a `Retry-After` header says when."""
 
     def response(self) -> JSONResponse:
         response = super().response()
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
+
+
+class ServerBusy(RetryLater):
+    """A 429: the server holds as much work as it may; retry after `RETRY_AFTER_S`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(429, message, code="server_busy")
 
 
 class InFlight:
@@ -56,6 +61,14 @@ class InFlight:
         self.tokens -= job.work
 
 
+def unavailable(error: UnavailableError) -> APIError:
+    """A 503 for a request nothing can serve now (a shutdown, no live actor);
+    the detail, which names actors and their errors, goes to the log only."""
+    reason = "the server is shutting down" if isinstance(error, ClosedError) else "no rollout actor is available"
+    log.warning("503 (%s): %s", reason, error)
+    return RetryLater(503, f"{reason}: retry after {RETRY_AFTER_S} s", code="unavailable", kind="server_error")
+
+
 class ClientGone(Exception):
     """The client closed its connection before its response was ready."""
 
@@ -73,7 +86,7 @@ def start(job: Job, backend: Backend, inflight: InFlight) -> list[TokenStream]:
         inflight.release(job)
         cancel(streams)
         if isinstance(e, ClosedError):  # a ValueError too: check it first
-            raise APIError(503, f"the server is shutting down: {e}", kind="server_error") from None
+            raise unavailable(e) from None
         if isinstance(e, (ValueError, TypeError)):
             raise from_engine(e, job.prompt_field) from None
         raise

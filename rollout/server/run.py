@@ -56,9 +56,13 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 def server_config(args: argparse.Namespace, backend: Backend, key: str | None) -> ServerConfig:
-    # By default one request may fill the engine's batch at full length, four such in flight.
+    # By default one request may fill the engine's batch at full length, four such in flight;
+    # a bound in flight given alone also caps one request's work.
     full_batch = max(DEFAULT_MAX_REQUEST_TOKENS, backend.max_batch_size * backend.max_seq_len)
-    max_request_tokens = full_batch if args.max_request_tokens is None else args.max_request_tokens
+    if args.max_request_tokens is not None:
+        max_request_tokens = args.max_request_tokens
+    else:
+        max_request_tokens = min(full_batch, args.max_inflight_tokens or full_batch)
     return ServerConfig(
         model_name=args.served_model_name or Path(args.model).resolve().name,
         max_n=args.max_n or backend.max_batch_size,

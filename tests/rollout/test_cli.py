@@ -141,3 +141,21 @@ def test_in_order_writes_each_record_once_all_before_it_are_done(tmp_path):
             records.add(index, {"index": index})
             seen.append([json.loads(line)["index"] for line in path.read_text().splitlines()])
     assert seen == [[], [0], [0], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
+
+
+def test_a_stale_partial_file_of_a_killed_run_does_not_stop_the_next(tmp_path):
+    """A run killed outright leaves its partial file; the next run (in a container
+    often with the same pid) writes a file of its own, with the usual permissions."""
+    import os
+
+    from rollout.cli import replacing
+
+    out = tmp_path / "samples.jsonl"
+    stale = tmp_path / f".{out.name}.{os.getpid()}.partial"
+    stale.write_text("killed\n")
+    with replacing(out) as f:
+        f.write("new\n")
+    assert out.read_text() == "new\n" and stale.read_text() == "killed\n"
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask

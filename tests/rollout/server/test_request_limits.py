@@ -18,6 +18,7 @@ from rollout.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from rollout.server import EngineBackend, ServerConfig, start_server
 from rollout.server.run import server_config
 from tests.conftest import make_engine
+from tests.rollout.cluster.test_cluster import wait_until
 from tests.rollout.server.conftest import SIZES
 
 LIMIT = 60  # max_request_tokens and max_inflight_tokens of the server here
@@ -130,6 +131,8 @@ def test_work_in_flight_past_its_bound_gets_429_on_every_route(gated):
         assert response.status_code == 429 and response.headers["retry-after"] == "1", response.text
         assert response.json()["error"]["code"] == "server_busy"
     assert body.endswith(b"data: [DONE]\n\n") and held[0].status_code == 200
+    # A stream gives its work back once its last chunk went out, after the client read it: wait for that.
+    wait_until(lambda: "\nrollout_inflight_tokens 0\n" in httpx.get(url + "/metrics", timeout=WAIT_S).text)
     assert completion(url, max_tokens=57).status_code == 200  # 3 + 57: both released all they held
     assert "\nrollout_inflight_tokens 0\n" in httpx.get(url + "/metrics", timeout=WAIT_S).text
 
@@ -153,6 +156,7 @@ class Sizes:
         ([], 512 * 4096, 4 * 512 * 4096),  # the engine's batch at full length, four in flight
         (["--max-request-tokens", "100"], 100, 400),
         (["--max-request-tokens", "100", "--max-inflight-tokens", "100"], 100, 100),
+        (["--max-inflight-tokens", "1000000"], 1000000, 1000000),  # alone, it caps a request's work too
     ],
 )
 def test_serve_flags_set_the_limits(flags, request_tokens, inflight_tokens):

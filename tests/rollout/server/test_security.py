@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from rollout.chat import ChatTemplate
 from rollout.cli import main, parser
+from rollout.engine.errors import NoActorInTimeError
 from rollout.engine.streams import TokenStream
 from rollout.server import EngineBackend, ServerConfig, start_server
 from rollout.server.run import api_key, server_config
@@ -200,6 +201,29 @@ def test_a_stream_that_fails_after_its_first_chunk_sends_only_a_request_id(tiny_
     }
     (record,) = [r for r in caplog.records if r.name == "rollout.server" and request_id in r.getMessage()]
     assert "/srv/secret/weights.bin (pid 4242)" in str(record.exc_info[1])
+
+
+class _NoActorBackend(EngineBackend):
+    """A cluster's stream when no actor came back while it waited (the error comes out of the stream)."""
+
+    def stream(self, prompt, params):
+        stream, failed = TokenStream(), Future()
+        failed.set_exception(NoActorInTimeError("no rollout actor came back within 8 s: actor 0 (pid 4242) hung"))
+        stream.attach(failed)
+        return stream
+
+
+def test_no_live_actor_is_a_503_to_retry_not_an_internal_error(tiny_engine):
+    with running(_NoActorBackend(tiny_engine)) as url:
+        response = httpx.post(url + "/v1/completions", json={"prompt": [1, 40], "max_tokens": 2}, timeout=30)
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "unavailable") and "4242" not in response.text
+        assert error["message"].startswith("no rollout actor is available")
+        with pytest.raises(openai.APIError) as failed:
+            for _ in client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=2, stream=True):
+                pass
+    assert failed.value.body["code"] == "unavailable" and "4242" not in str(failed.value.body)
 
 
 LOOPING = "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}"
