@@ -48,6 +48,7 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
     app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)  # every route is below
     metrics = Metrics()
     inflight = InFlight(config.max_inflight_tokens)  # every generation route starts its job through it
+    answers = Answers(backend, config, metrics, inflight)
     install_handlers(app)
     app.add_middleware(CountRequests, metrics=metrics)
     if is_loopback(host):
@@ -75,26 +76,31 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
     async def completions(request: Request) -> Response:
         auth.check(request)
         body = await parse(request, CompletionRequest, config.max_body_bytes)
-        return await answer(request, await asyncio.to_thread(prepare, completion_job, body, config, backend))
+        return await answers.answer(request, await asyncio.to_thread(prepare, completion_job, body, config, backend))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         auth.check(request)
         body = await parse(request, ChatRequest, config.max_body_bytes)
-        return await answer(request, await asyncio.to_thread(prepare, chat_job, body, config, backend))
+        return await answers.answer(request, await asyncio.to_thread(prepare, chat_job, body, config, backend))
 
-    async def answer(request: Request, job: Job) -> Response:
-        reply = Reply(job, config.model_name, backend.codec, backend.policy_version())  # before start: nothing to undo
-        streams = start(job, backend, inflight)
+    return app
+
+
+class Answers:
+    """Runs a prepared `Job` and answers it, streamed or not; whatever way the
+    response ends, its streams are cancelled and its work in flight released."""
+
+    def __init__(self, backend: Backend, config: ServerConfig, metrics: Metrics, inflight: InFlight) -> None:
+        self.backend, self.config, self.metrics, self.inflight = backend, config, metrics, inflight
+
+    async def answer(self, request: Request, job: Job) -> Response:
+        backend, metrics = self.backend, self.metrics
+        reply = Reply(job, self.config.model_name, backend.codec, backend.policy_version())  # nothing to undo yet
+        streams = start(job, backend, self.inflight)
         metrics.running += 1
         if job.stream:
-
-            def closed() -> None:
-                cancel(streams)
-                inflight.release(job)
-                metrics.running -= 1
-
-            return EventStream(events(reply, streams, metrics), closed)
+            return EventStream(events(reply, streams, metrics), lambda: self._end(job, streams))
         try:
             done = await outputs(streams, lambda: wait_for_disconnect(request.receive))
         except ClientGone:
@@ -102,15 +108,16 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
         except UnavailableError as e:  # no actor came back, or a shutdown, while it waited
             raise unavailable(e) from None
         finally:
-            cancel(streams)  # a no-op for finished streams; an error leaves nothing running
-            inflight.release(job)
-            metrics.running -= 1
+            self._end(job, streams)
         counts = usage(done)
         metrics.prompt_tokens += counts["prompt_tokens"]
         metrics.completion_tokens += counts["completion_tokens"]
         return JSONResponse(reply.body(done))
 
-    return app
+    def _end(self, job: Job, streams: list) -> None:
+        cancel(streams)  # a no-op for finished streams; an error leaves nothing running
+        self.inflight.release(job)
+        self.metrics.running -= 1
 
 
 class EventStream(StreamingResponse):
