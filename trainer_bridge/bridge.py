@@ -189,7 +189,12 @@ class TrainerBridge:
         nothing: the groups it had read wait, finished, for the next collect
         (retry with the same `pending`), which reads them first (staleness and
         `keep_group` checked again), and carried sources run on. Groups it
-        found stale or rejected stay dropped.
+        found stale or rejected stay dropped. A source whose generation fails
+        is the exception: the collect that reads its error raises it, and the
+        source is aborted and never read again (not carried, not by a retry
+        with the same `pending`); the groups already read from it and every
+        other source are carried as after a timeout, and the groups it never
+        delivered are lost with it (`rollout/lost_groups` in the metrics).
         """
         if isinstance(pending, PendingEpisodes):
             return self._collect_episodes(pending, timeout)

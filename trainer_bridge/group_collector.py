@@ -91,7 +91,9 @@ class GroupCollector:
     `keep`: first the `ready` groups an earlier collect gave back, then the
     `sources` (oldest first), then refills. What it has taken but not judged
     or returned stays readable (`unread`, `live`) when it raises, so the
-    caller can give it back."""
+    caller can give it back. A source whose read raises (its generation
+    failed) is finished: it leaves the sources for `failed`, is aborted, and
+    its error propagates; the groups it never delivered are `lost_groups`."""
 
     def __init__(
         self,
@@ -109,6 +111,7 @@ class GroupCollector:
         self.taken: list[Group] = []  # passed, in the order they finished
         self.ready: deque[Group] = deque()  # finished, not judged yet
         self.sources: list[GroupSource] = []
+        self.failed: list[GroupSource] = []  # sources whose read raised: never read again
         self.stats = {"dropped_groups": 0, "stale_groups": 0, "refill_prompts": 0, "aborted_groups": 0}
 
     def collect(self, ready: list[Group], sources: list[GroupSource], timeout: float | None) -> list[Group]:
@@ -156,14 +159,35 @@ class GroupCollector:
     def _read(self, live: list[GroupSource], deadline: float | None, timeout: float | None) -> bool:
         """Move one finished output into `ready`; False when none came within a poll."""
         for s in live:  # anything finished already, oldest source first
-            out = s.source.next_output(0)
-            if out is not None:
-                self.ready.append(s.group(out))
+            if self._next(s, 0):
                 return True
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"fewer than {self.min_groups} groups finished within {timeout} s")
-        s = live[-1]
-        out = s.source.next_output(POLL_S)
+        return self._next(live[-1], POLL_S)
+
+    def _next(self, s: GroupSource, timeout: float) -> bool:
+        """Move `s`'s next output into `ready`; False when none came within `timeout` s.
+        A read that raises is `s`'s generation failing (its error comes out once):
+        `s` is failed before the error propagates."""
+        try:
+            out = s.source.next_output(timeout)
+        except Exception as error:  # not BaseException: an interrupt during the wait is no failure of `s`
+            self._fail(s, error)
+            raise
         if out is not None:
             self.ready.append(s.group(out))
         return out is not None
+
+    def _fail(self, s: GroupSource, error: Exception) -> None:
+        """`s` is done for: out of the sources (a caller carrying `live()` drops
+        it), aborted so its remaining work stops, and the groups it never
+        delivered counted lost to `error`. Groups read from it stay."""
+        self.sources = [x for x in self.sources if x.source is not s.source]
+        self.failed.append(s)
+        self.stats["lost_groups"] = self.stats.get("lost_groups", 0) + s.source.remaining
+        abort = getattr(s.source, "abort", None)
+        if callable(abort):
+            try:
+                abort()
+            except Exception as abort_error:  # the generation's error is the one to raise
+                error.add_note(f"aborting the failed source raised {abort_error!r} too")
