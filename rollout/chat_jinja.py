@@ -14,10 +14,13 @@ other step whose result can outgrow its inputs by an amount the template
 chooses at `MAX_TEXT` characters (or items): `~` (routed through a checking
 function by an AST transform), `+` on strings, lists and tuples, `%`
 formatting (its widths, precisions and values), the filters `center`,
-`indent`, `wordwrap`, `format`, `replace` and `join`, and the string methods
+`indent`, `wordwrap`, `format`, `replace`, `join`, `urlize`, `tojson` (its
+`indent` too), `batch`, `slice` and `sum`, `lipsum`, the string methods
 `center`, `ljust`, `rjust`, `zfill`, `expandtabs`, `replace`, `join`, `format`
-and `format_map`. Whatever goes wrong while compiling or rendering is a
-`ChatTemplateError` naming the template."""
+and `format_map`, and the text of a value that is not a string (a list of one
+long string many times over) wherever it is built: printed, joined, formatted,
+or given to a filter that makes text of it. Whatever goes wrong while
+compiling or rendering is a `ChatTemplateError` naming the template."""
 
 from __future__ import annotations
 
@@ -143,6 +146,9 @@ def _check_size(size: int, step: str) -> None:
         raise SecurityError(f"{step} would build more than {MAX_TEXT} characters or items")
 
 
+_DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
+
+
 def _text_size(value: Any) -> int:
     """len(str(value)) without building it where that could be large: exact for
     strings, numbers and what prints small; for lists, tuples, sets, dicts and
@@ -159,7 +165,7 @@ def _text_size(value: Any) -> int:
             total += 2 * len(x) + 2
             stack.extend(x.keys())
             stack.extend(x.values())
-        elif isinstance(x, (list, tuple, set, frozenset)):
+        elif isinstance(x, (list, tuple, set, frozenset, *_DICT_VIEWS)):
             total += len(x) + 2
             stack.extend(x)
         else:
@@ -277,28 +283,44 @@ def _check_str_method(method: Any, args: tuple, kwargs: dict) -> tuple:
     return args
 
 
-def _checked(filter_: Any, check: Any) -> Any:
-    """`filter_` calling `check` with its arguments first. It takes the context,
-    as jinja's `pass_context` filters do, so jinja never calls it while
-    compiling (where a filter of constants is folded, and nothing bounds how
-    many), and hands `filter_` the context, eval context or environment its
-    `pass_*` mark asks for."""
+def _checked(filter_: Any, check: Any, name: str) -> Any:
+    """`filter_` calling `check` with its arguments first, after refusing a value
+    that is not a string but whose text (which the filter builds) would pass
+    MAX_TEXT characters, such as a long list of one long string.
+
+    A filter whose result can outgrow its value by an amount its arguments pick
+    (any `check` but `_no_check`) takes the context, as jinja's `pass_context`
+    filters do, so jinja never calls it while compiling, where it folds a filter
+    of constants and nothing bounds how many; it hands `filter_` the context,
+    eval context or environment its `pass_*` mark asks for. The others keep
+    `filter_`'s mark, so jinja folds them as it did (a few times the source)."""
     pass_arg = getattr(getattr(filter_, "jinja_pass_arg", None), "name", None)
+
+    def run(first: Any, args: tuple, kwargs: dict) -> Any:
+        if args and not isinstance(args[0], str):
+            _check_size(_text_size(args[0]), f"the {name} filter")
+        check(*args, **kwargs)
+        return filter_(*args, **kwargs) if first is None else filter_(first, *args, **kwargs)
+
+    if check is _no_check:
+
+        @wraps(filter_)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            return run(args[0], args[1:], kwargs) if pass_arg else run(None, args, kwargs)
+
+        return checked
 
     @jinja2.pass_context
     @wraps(filter_)
-    def checked(context: Any, *args: Any, **kwargs: Any) -> Any:
+    def checked_at_run_time(context: Any, *args: Any, **kwargs: Any) -> Any:
         first = {"context": context, "eval_context": context.eval_ctx, "environment": context.environment}.get(pass_arg)
-        if first is not None:
-            args = (first, *args)
-        check(*args, **kwargs)
-        return filter_(*args, **kwargs)
+        return run(first, args, kwargs)
 
-    return checked
+    return checked_at_run_time
 
 
 def _center(value: Any, width: Any = 80) -> None:
-    _check_size(max(len(str(value)), width if _is_int(width) else 0), "the center filter")
+    _check_size(max(_text_size(value), width if _is_int(width) else 0), "the center filter")
 
 
 def _indent(s: Any, width: Any = 4, first: bool = False, blank: bool = False) -> None:
@@ -308,23 +330,40 @@ def _indent(s: Any, width: Any = 4, first: bool = False, blank: bool = False) ->
 
 
 def _wordwrap(
-    environment: Any,
-    s: Any,
-    width: Any = 79,
-    break_long_words: Any = True,
-    wrapstring: Any = None,
-    break_on_hyphens: Any = True,
+    s: Any, width: Any = 79, break_long_words: Any = True, wrapstring: Any = None, break_on_hyphens: Any = True
 ) -> None:
-    # Every wrapped line holds a character at least, so there are at most len(s) joins.
-    joiner = environment.newline_sequence if wrapstring is None else str(wrapstring)
+    # Every wrapped line holds a character at least, so there are at most len(s) joins
+    # (of the environment's newline, "\n", by default).
+    joiner = "\n" if wrapstring is None else str(wrapstring)
     _check_size(len(str(s)) * (1 + len(joiner)), "the wordwrap filter")
+
+
+def _no_check(*args: Any, **kwargs: Any) -> None:
+    """For the filters that build no more text than their value's (checked in `_checked`)."""
+
+
+def _urlize(
+    value: Any, trim_url_limit: Any = None, nofollow: Any = False, target: Any = None, rel: Any = None, **_: Any
+) -> None:
+    # Each word may become a link, with both attributes and the word (escaped) twice.
+    s, extra = str(value), len(str(target or "")) + len(str(rel or "")) + 64
+    _check_size(10 * len(s) + len(s.split()) * extra, "the urlize filter")
+
+
+def _batch(value: Any, linecount: Any, fill_with: Any = None) -> None:
+    if fill_with is not None and _is_int(linecount):
+        _check_size(linecount, "the batch filter")  # the last row is filled to linecount items
+
+
+def _slice(value: Any, slices: Any, fill_with: Any = None) -> None:
+    _check_size(slices if _is_int(slices) else 0, "the slice filter")
 
 
 def _format(value: Any, *args: Any, **kwargs: Any) -> None:
     _check_percent(str(value), kwargs or args, "the format filter")
 
 
-def _replace(eval_ctx: Any, s: Any, old: Any, new: Any, count: Any = None) -> None:
+def _replace(s: Any, old: Any, new: Any, count: Any = None) -> None:
     _check_replace(s, old, new, -1 if count is None else count, "the replace filter")
 
 
@@ -335,6 +374,50 @@ def _join(context: Any, value: Any, d: Any = "", attribute: Any = None) -> Any:
     items = list(value) if attribute is None else list(map(make_attrgetter(eval_ctx.environment, attribute), value))
     _check_join(d, items, "the join filter")
     return jinja2.filters.sync_do_join(eval_ctx, items, d)
+
+
+@jinja2.pass_context  # as `_join`
+def _sum(context: Any, iterable: Any, attribute: Any = None, start: Any = 0) -> Any:
+    """jinja's `sum`, its items read into a list and, when it adds lists or
+    tuples, their total length refused past MAX_TEXT items first."""
+    getter = make_attrgetter(context.environment, attribute) if attribute is not None else None
+    items = list(iterable) if getter is None else list(map(getter, iterable))
+    if isinstance(start, (list, tuple)):
+        _check_size(len(start) + sum(len(i) for i in items if isinstance(i, (list, tuple))), "the sum filter")
+    return sum(items, start)
+
+
+# The filters that build text from their value (all refuse a value whose text
+# would pass MAX_TEXT) and the check of what each adds.
+_FILTER_CHECKS = {
+    **dict.fromkeys(
+        ("capitalize", "e", "escape", "forceescape", "lower", "pprint", "safe", "string", "striptags", "title"),
+        _no_check,
+    ),
+    **dict.fromkeys(("trim", "truncate", "upper", "urlencode", "wordcount", "xmlattr"), _no_check),
+    "center": _center,
+    "indent": _indent,
+    "wordwrap": _wordwrap,
+    "format": _format,
+    "replace": _replace,
+    "urlize": _urlize,
+    "batch": _batch,
+    "slice": _slice,
+}
+
+
+def _finalize(value: Any) -> Any:
+    """What `{{ value }}` prints, refused if it is not a string and its text would pass MAX_TEXT."""
+    if not isinstance(value, str):
+        _check_size(_text_size(value), "printing a value")
+    return value
+
+
+def _lipsum(n: Any = 5, html: Any = True, min: Any = 20, max: Any = 100) -> str:  # noqa: A002 (jinja's names)
+    """jinja's `lipsum`, refused past MAX_TEXT characters (words of 12 at most, and a space)."""
+    if _is_int(n) and _is_int(max):
+        _check_size(n * max * 13, "lipsum")
+    return jinja2.utils.generate_lorem_ipsum(n, html, min, max)
 
 
 def _concat(use_markup: bool, *values: Any) -> str:
@@ -437,8 +520,36 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
-    # transformers' filter: unlike jinja's, it does not escape HTML characters.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    # transformers' filter: unlike jinja's, it does not escape HTML characters. As
+    # `json.dumps` (whose output it is), but built piece by piece and refused past
+    # MAX_TEXT characters: a piece is a value's JSON, a separator, or a newline with
+    # `indent` once for each level of nesting, so `indent` times the depth is checked
+    # first.
+    if isinstance(x, str):
+        _check_size(len(x), "the tojson filter")
+        return json.dumps(x, ensure_ascii=ensure_ascii)  # at most 6 characters each, as one piece
+    if indent is not None:
+        _check_size((len(indent) if isinstance(indent, str) else indent) * _depth(x), "the tojson filter")
+    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    pieces, size = [], 0
+    for piece in encoder.iterencode(x):
+        size += len(piece)
+        _check_size(size, "the tojson filter")
+        pieces.append(piece)
+    return "".join(pieces)
+
+
+def _depth(x: Any) -> int:
+    """How deep lists, tuples and dicts nest in `x` (1 for none), refused past MAX_TEXT of them."""
+    depth, seen, stack = 1, 0, [(x, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (list, tuple, dict)):
+            seen += len(item) + 1
+            _check_size(seen, "the tojson filter")
+            depth = max(depth, level + 1)
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return depth
 
 
 @lru_cache(maxsize=16)
@@ -451,8 +562,10 @@ def compile_template(source: str) -> jinja2.Template:
     env.globals["namespace"] = _Namespace
     env.globals[_TICK] = lambda: ""
     env.checked_concat = _concat  # what `~` calls (`_CheckEveryConcat`)
-    for name, check in (("center", _center), ("indent", _indent), ("wordwrap", _wordwrap), ("format", _format)):
-        env.filters[name] = _checked(env.filters[name], check)
-    env.filters["replace"] = _checked(env.filters["replace"], _replace)
+    for name, check in _FILTER_CHECKS.items():
+        env.filters[name] = _checked(env.filters[name], check, name)
     env.filters["join"] = _join
+    env.filters["sum"] = _sum
+    env.finalize = _finalize
+    env.globals["lipsum"] = _lipsum
     return env.from_string(_CheckEveryConcat(env).visit(_tick_every_loop(env.parse(source))))

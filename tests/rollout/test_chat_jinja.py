@@ -6,6 +6,7 @@ limit) is a `ChatTemplateError`, a `ValueError` naming the template."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -126,6 +127,19 @@ BOMBS = {
     "format-method": ("{{ '{:>100000000}'.format(1) }}", "str.format"),
     "format-method-nested-width": ("{{ '{:>{}}'.format(1, 100000000) }}", "str.format"),
     "format-map-method": ("{{ ('{a}' * 100).format_map({'a': 'x' * 100000}) }}", "str.format_map"),
+    # The text of a list of one long string, many times over.
+    "print-a-long-list": ("{% set s = 'x' * 100000 %}{{ [s] * 100 }}", "printing a value"),
+    "string-filter": ("{{ (['x' * 100000] * 100)|string }}", "the string filter"),
+    "pprint-filter": ("{{ (['x' * 100000] * 100)|pprint }}", "the pprint filter"),
+    "string-of-dict-items": ("{{ dict.fromkeys(range(100), 'x' * 100000).items()|string }}", "the string filter"),
+    "tojson-filter": ("{{ (['x' * 100000] * 100)|tojson }}", "the tojson filter"),
+    "tojson-indent": ("{{ [[[1]]]|tojson(indent=100000000) }}", "the tojson filter"),
+    "tojson-of-tojson": ("{{ '\"'" + "|tojson" * 24 + " }}", "the tojson filter"),  # each doubles it
+    "urlize-filter": ("{{ ('http://a.b ' * 1000)|urlize(target='x' * 100000) }}", "the urlize filter"),
+    "batch-filter": ("{{ [1]|batch(10000000, 0)|list }}", "the batch filter"),
+    "slice-filter": ("{{ [1]|slice(5000000)|list }}", "the slice filter"),
+    "sum-filter": ("{% set l = [1] * 100000 %}{{ ([l] * 100)|sum(start=[]) }}", "the sum filter"),
+    "lipsum": ("{{ lipsum(10, false, 100000, 100001) }}", "lipsum"),
 }
 
 
@@ -151,6 +165,8 @@ UNDER_THE_CAP = {
     "replace-filter": ("{{ (('a' * 100000)|replace('a', 'b' * 41))|length }}", 4100000),
     "join-filter": ("{{ ((['a' * 100000] * 41)|join(','))|length }}", 4100040),
     "format-method": ("{{ '{:>4194200}'.format(1)|length }}", 4194200),  # 11 + 1 + 4194200 counted
+    "tojson-filter": ("{{ ((['x' * 100000] * 41)|tojson)|length }}", 41 * 100002 + 40 * 2 + 2),
+    "print-a-list": ("{% set s = 'x' * 100000 %}{{ ([s] * 41)|string|length }}", 41 * 100002 + 40 * 2 + 2),
 }
 
 
@@ -186,12 +202,20 @@ UNCHANGED = [
     "{% autoescape flag %}{{ '<a>'|replace('a', '<') }}{{ ['<', 'b'|safe]|join('&') }}{{ x|replace('<', '&'|safe) }}"
     "{{ x|indent(2, true) }}{{ '<%s'|format(x) }}{{ x|center(5) }}{{ 'ab'|wordwrap(1) }}{% endautoescape %}"
     "{{ [{'a': '<'}]|join(',', attribute='a') }}{{ ('<' ~ x)|wordwrap(1, wrapstring=x) }}",
+    "{{ [x, 1]|string }}{{ {'a': [x]}|pprint }}{{ [x]|tojson }}{{ {'a': [1, {'b': x}]}|tojson(indent=2) }}"
+    "{{ [x, 2] }}{{ x|e|e|upper|trim }}{{ [[1], [2]]|sum(start=[]) }}{{ [1, 2]|sum }}{{ [1, 2, 3]|batch(2, 0)|list }}"
+    "{{ [1, 2, 3]|slice(2)|list }}{{ 'http://a.b x'|urlize }}",
 ]
+
+
+def _transformers_tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 @pytest.mark.parametrize("source", UNCHANGED)
 @pytest.mark.parametrize("flag", [True, False])
 def test_checked_steps_render_as_jinja_renders_them(source, flag):
     jinja = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    jinja.filters["tojson"] = _transformers_tojson
     expected = jinja.from_string(source).render(x="<", flag=flag)
     assert ChatTemplate({"default": source}, {}).render([USER], x="<", flag=flag) == expected
