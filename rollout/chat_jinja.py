@@ -16,8 +16,9 @@ function by an AST transform), `+` on strings, lists and tuples, `%`
 formatting (its widths, precisions and values), the filters `center`,
 `indent`, `wordwrap`, `format`, `replace`, `join`, `urlize`, `tojson` (its
 `indent` too), `batch`, `slice` and `sum`, `lipsum`, the string methods
-`center`, `ljust`, `rjust`, `zfill`, `expandtabs`, `replace`, `join`, `format`
-and `format_map`, and the text of a value that is not a string (a list of one
+`center`, `ljust`, `rjust`, `zfill`, `expandtabs`, `replace`, `translate`,
+`join`, `format` and `format_map`, what a macro, block or `{% set %}` block
+renders, and the text of a value that is not a string (a list of one
 long string many times over) wherever it is built: printed, joined, formatted,
 or given to a filter that makes text of it. Whatever goes wrong while
 compiling or rendering is a `ChatTemplateError` naming the template."""
@@ -28,6 +29,7 @@ import json
 import re
 import string
 import time
+from collections import Counter
 from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache, wraps
@@ -277,6 +279,10 @@ def _check_str_method(method: Any, args: tuple, kwargs: dict) -> tuple:
         _check_size(len(s) + s.count("\t") * (tabsize if _is_int(tabsize) else 0), step)
     elif name == "replace" and len(args) >= 2:
         _check_replace(s, args[0], args[1], _arg(args, kwargs, 2, "count", -1), step)
+    elif name == "translate" and len(args) == 1 and isinstance(args[0], dict):
+        table = args[0]
+        grown = (n * len(table[ord(c)]) for c, n in Counter(s).items() if isinstance(table.get(ord(c)), str))
+        _check_size(len(s) + sum(grown), step)
     elif name == "join" and len(args) == 1:
         args = (list(args[0]),)
         _check_join(s, args[0], step)
@@ -404,6 +410,15 @@ _FILTER_CHECKS = {
     "batch": _batch,
     "slice": _slice,
 }
+
+
+def _join_output(chunks: Any) -> str:
+    """How jinja joins what a macro, call block, filter block, block or
+    `{% set %}` block rendered (`environment.concat`), refused past MAX_TEXT
+    characters: each chunk is capped, but a body may print a value twice."""
+    chunks = list(chunks)
+    _check_size(sum(map(len, chunks)), "joining a block's output")
+    return "".join(chunks)
 
 
 def _finalize(value: Any) -> Any:
@@ -567,5 +582,6 @@ def compile_template(source: str) -> jinja2.Template:
     env.filters["join"] = _join
     env.filters["sum"] = _sum
     env.finalize = _finalize
+    env.concat = _join_output
     env.globals["lipsum"] = _lipsum
     return env.from_string(_CheckEveryConcat(env).visit(_tick_every_loop(env.parse(source))))

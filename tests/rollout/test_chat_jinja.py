@@ -97,6 +97,12 @@ def _doubling(step: str, start: str, times: int) -> str:
     return f"{{% set ns = namespace(s={start}) %}}{loop}{{{{ ns.s|length }}}}"
 
 
+def _doubling_in(body: str) -> str:
+    """`body` run 30 times on a namespace value `ns.s` that starts as "x"."""
+    return f"{{% set ns = namespace(s='x') %}}{{% for i in range(30) %}}{body}{{% endfor %}}{{{{ ns.s|length }}}}"
+
+
+BLOCK = "joining a block's output"
 # Each builds far more than MAX_TEXT (4 Mi) characters or items in one step, most
 # of them in well under the 2 s time limit, so only the size check refuses them.
 BOMBS = {
@@ -140,6 +146,27 @@ BOMBS = {
     "slice-filter": ("{{ [1]|slice(5000000)|list }}", "the slice filter"),
     "sum-filter": ("{% set l = [1] * 100000 %}{{ ([l] * 100)|sum(start=[]) }}", "the sum filter"),
     "lipsum": ("{{ lipsum(10, false, 100000, 100001) }}", "lipsum"),
+    "translate-method": ("{{ ('a' * 100000).translate({97: 'x' * 100}) }}", "str.translate"),
+    # A body that prints a value twice doubles it when jinja joins what it rendered.
+    "set-block-doubling": (_doubling_in("{% set s %}{{ ns.s }}{{ ns.s }}{% endset %}{% set ns.s = s %}"), BLOCK),
+    "macro-doubling": (
+        "{% macro d(s) %}{{ s }}{{ s }}{% endmacro %}" + _doubling_in("{% set ns.s = d(ns.s) %}"),
+        BLOCK,
+    ),
+    "call-block-doubling": (
+        "{% macro d() %}{{ caller() }}{{ caller() }}{% endmacro %}"
+        + _doubling_in("{% set s %}{% call d() %}{{ ns.s }}{% endcall %}{% endset %}{% set ns.s = s %}"),
+        BLOCK,
+    ),
+    "filter-block-doubling": (
+        _doubling_in("{% set s %}{% filter lower %}{{ ns.s }}{{ ns.s }}{% endfilter %}{% endset %}{% set ns.s = s %}"),
+        BLOCK,
+    ),
+    "self-block-doubling": (
+        "{% set ns = namespace(s='x') %}{% block b %}{{ ns.s }}{{ ns.s }}{% endblock %}"
+        "{% for i in range(30) %}{% set ns.s = self.b() %}{% endfor %}",
+        BLOCK,
+    ),
 }
 
 
@@ -166,6 +193,11 @@ UNDER_THE_CAP = {
     "join-filter": ("{{ ((['a' * 100000] * 41)|join(','))|length }}", 4100040),
     "format-method": ("{{ '{:>4194200}'.format(1)|length }}", 4194200),  # 11 + 1 + 4194200 counted
     "tojson-filter": ("{{ ((['x' * 100000] * 41)|tojson)|length }}", 41 * 100002 + 40 * 2 + 2),
+    "macro-doubling": (
+        "{% macro d(s) %}{{ s }}{{ s }}{% endmacro %}{% set ns = namespace(s='x') %}"
+        "{% for i in range(22) %}{% set ns.s = d(ns.s) %}{% endfor %}{{ ns.s|length }}",
+        1 << 22,
+    ),
     "print-a-list": ("{% set s = 'x' * 100000 %}{{ ([s] * 41)|string|length }}", 41 * 100002 + 40 * 2 + 2),
 }
 
