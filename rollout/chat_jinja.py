@@ -349,9 +349,15 @@ def _no_check(*args: Any, **kwargs: Any) -> None:
 
 
 def _urlize(
-    value: Any, trim_url_limit: Any = None, nofollow: Any = False, target: Any = None, rel: Any = None, **_: Any
+    value: Any,
+    trim_url_limit: Any = None,
+    nofollow: Any = False,
+    target: Any = None,
+    rel: Any = None,
+    extra_schemes: Any = None,
 ) -> None:
-    # Each word may become a link, with both attributes and the word (escaped) twice.
+    # Each word may become a link, with both attributes and the word (escaped, 5
+    # characters a character at most) twice.
     s, extra = str(value), len(str(target or "")) + len(str(rel or "")) + 64
     _check_size(10 * len(s) + len(s.split()) * extra, "the urlize filter")
 

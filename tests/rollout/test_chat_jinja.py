@@ -236,7 +236,8 @@ UNCHANGED = [
     "{{ [{'a': '<'}]|join(',', attribute='a') }}{{ ('<' ~ x)|wordwrap(1, wrapstring=x) }}",
     "{{ [x, 1]|string }}{{ {'a': [x]}|pprint }}{{ [x]|tojson }}{{ {'a': [1, {'b': x}]}|tojson(indent=2) }}"
     "{{ [x, 2] }}{{ x|e|e|upper|trim }}{{ [[1], [2]]|sum(start=[]) }}{{ [1, 2]|sum }}{{ [1, 2, 3]|batch(2, 0)|list }}"
-    "{{ [1, 2, 3]|slice(2)|list }}{{ 'http://a.b x'|urlize }}",
+    "{{ [1, 2, 3]|slice(2)|list }}{{ 'see http://example.com & ftp://x.org'|urlize(20, true, '_b', 'r', ['ftp:']) }}"
+    "{{ ('a' ~ x ~ 'b').translate({97: 'yz', 98: none}) }}",
 ]
 
 
