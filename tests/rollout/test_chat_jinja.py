@@ -172,14 +172,13 @@ BOMBS = {
 
 @pytest.mark.parametrize(("source", "step"), BOMBS.values(), ids=BOMBS.keys())
 def test_a_step_that_would_build_too_large_a_value_is_refused_before_it_builds_it(source, step):
-    error, seconds = _render_in_thread(ChatTemplate({"default": "{{ 1 }}", "tool_use": source}, {}), tools=[{}])
+    error, _ = _render_in_thread(ChatTemplate({"default": "{{ 1 }}", "tool_use": source}, {}), tools=[{}])
     assert isinstance(error, ValueError) and isinstance(error, jinja2.TemplateError)
-    # Refused by the size check, not stopped by the time limit.
+    # Refused by the size check (its message), not stopped by the time limit.
     assert (
         str(error)
         == f"the chat template 'tool_use' failed: {step} would build more than {MAX_TEXT} characters or items"
     )
-    assert seconds < 1.0
 
 
 # Just under (or at) the cap: each renders, its length computed by hand.
