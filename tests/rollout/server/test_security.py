@@ -153,46 +153,30 @@ def test_the_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, monkeyp
         key("--api-key-file", str(key_file))
 
 
+SECRET = "/srv/secret/weights.bin (pid 4242)"  # what an exception may say and a client must never see
+
+
 class _FailingBackend(EngineBackend):
+    """Its streams fail with `error`: when started (`at_start`), or when read,
+    as a stream whose engine or actor failed after the response began."""
+
+    def __init__(self, engine, error: Exception, at_start: bool = False) -> None:
+        super().__init__(engine)
+        self.error, self.at_start = error, at_start
+
     def stream(self, prompt, params):
-        raise RuntimeError("cannot open /srv/secret/weights.bin (pid 4242)")
-
-
-def test_a_500_tells_only_a_request_id_which_the_log_holds_with_the_detail(tiny_engine, caplog):
-    caplog.set_level(logging.ERROR, logger="rollout.server")
-    with running(_FailingBackend(tiny_engine)) as url, pytest.raises(openai.InternalServerError) as failed:
-        client(url).completions.create(model="tiny", prompt=[1, 40], max_tokens=2)
-    response = failed.value.response
-    request_id = response.headers["x-request-id"]
-    assert len(request_id) == 32 and "/srv" not in response.text and "4242" not in response.text
-    assert response.json() == {
-        "error": {
-            "message": "internal error",
-            "type": "server_error",
-            "param": None,
-            "code": None,
-            "request_id": request_id,
-        }
-    }
-    (record,) = [r for r in caplog.records if r.name == "rollout.server" and request_id in r.getMessage()]
-    assert record.levelno == logging.ERROR and "/srv/secret/weights.bin (pid 4242)" in str(record.exc_info[1])
-
-
-class _BrokenStreamBackend(EngineBackend):
-    def stream(self, prompt, params):
+        if self.at_start:
+            raise self.error
         stream, failed = TokenStream(), Future()  # made in the event loop, as the engine makes it
-        failed.set_exception(RuntimeError("lost /srv/secret/weights.bin (pid 4242)"))
+        failed.set_exception(self.error)
         stream.attach(failed)
         return stream
 
 
-def test_a_stream_that_fails_after_its_first_chunk_sends_only_a_request_id(tiny_engine, caplog):
-    caplog.set_level(logging.ERROR, logger="rollout.server")
-    with running(_BrokenStreamBackend(tiny_engine)) as url, pytest.raises(openai.APIError) as failed:
-        for chunk in client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=2, stream=True):
-            assert chunk.choices[0].delta.role == "assistant"  # the opening chunk, before the failure
-    request_id = failed.value.body["request_id"]
-    assert failed.value.body == {
+def _assert_only_a_request_id(error: dict, request_id: str, caplog) -> None:
+    """The generic 500 body, and the detail logged under its request id."""
+    assert len(request_id) == 32
+    assert error == {
         "message": "internal error",
         "type": "server_error",
         "param": None,
@@ -200,26 +184,36 @@ def test_a_stream_that_fails_after_its_first_chunk_sends_only_a_request_id(tiny_
         "request_id": request_id,
     }
     (record,) = [r for r in caplog.records if r.name == "rollout.server" and request_id in r.getMessage()]
-    assert "/srv/secret/weights.bin (pid 4242)" in str(record.exc_info[1])
+    assert record.levelno == logging.ERROR and SECRET in str(record.exc_info[1])
 
 
-class _NoActorBackend(EngineBackend):
-    """A cluster's stream when no actor came back while it waited (the error comes out of the stream)."""
+def test_a_500_tells_only_a_request_id_which_the_log_holds_with_the_detail(tiny_engine, caplog):
+    caplog.set_level(logging.ERROR, logger="rollout.server")
+    backend = _FailingBackend(tiny_engine, RuntimeError(f"cannot open {SECRET}"), at_start=True)
+    with running(backend) as url, pytest.raises(openai.InternalServerError) as failed:
+        client(url).completions.create(model="tiny", prompt=[1, 40], max_tokens=2)
+    response = failed.value.response
+    assert "/srv" not in response.text and "4242" not in response.text
+    _assert_only_a_request_id(response.json()["error"], response.headers["x-request-id"], caplog)
 
-    def stream(self, prompt, params):
-        stream, failed = TokenStream(), Future()
-        failed.set_exception(NoActorInTimeError("no rollout actor came back within 8 s: actor 0 (pid 4242) hung"))
-        stream.attach(failed)
-        return stream
+
+def test_a_stream_that_fails_after_its_first_chunk_sends_only_a_request_id(tiny_engine, caplog):
+    caplog.set_level(logging.ERROR, logger="rollout.server")
+    backend = _FailingBackend(tiny_engine, RuntimeError(f"lost {SECRET}"))
+    with running(backend) as url, pytest.raises(openai.APIError) as failed:
+        for chunk in client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=2, stream=True):
+            assert chunk.choices[0].delta.role == "assistant"  # the opening chunk, before the failure
+    _assert_only_a_request_id(failed.value.body, failed.value.body["request_id"], caplog)
 
 
 def test_no_live_actor_is_a_503_to_retry_not_an_internal_error(tiny_engine):
-    with running(_NoActorBackend(tiny_engine)) as url:
+    hung = NoActorInTimeError(f"no rollout actor came back within 8 s: actor 0 ({SECRET}) hung")
+    with running(_FailingBackend(tiny_engine, hung)) as url:
         response = httpx.post(url + "/v1/completions", json={"prompt": [1, 40], "max_tokens": 2}, timeout=30)
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
         error = response.json()["error"]
         assert (error["type"], error["code"]) == ("server_error", "unavailable") and "4242" not in response.text
-        assert error["message"].startswith("no rollout actor is available")
+        assert error["message"] == "no rollout actor is available: retry after 1 s"
         with pytest.raises(openai.APIError) as failed:
             for _ in client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=2, stream=True):
                 pass
