@@ -25,7 +25,7 @@ from ..sampling_params import SamplingParams
 from .actor_sessions import EngineSessions
 from .call_aborts import CallAborts
 from .host import cap_malloc_arenas, lower_thread_priority, resident_bytes, touch_pages
-from .wire import Manifest, TensorEntry
+from .wire import Manifest, TensorEntry, check_bucket_entries
 from .wire_receive import VerifyShare, assemble, unpack, unpack_entries, verification_shares, verify_entries
 
 FAULTABLE = ("prepare_push", "generate_stream", "session_turn", "stream_tokens")  # methods `inject_fault` can make fail
@@ -201,6 +201,7 @@ class RolloutWorker:
             if push_id in self._finished:
                 return 0  # a late bucket of a push that was aborted meanwhile: not worth verifying
         bucket, copied = assemble(segments)
+        check_bucket_entries(entries, bucket.nbytes)  # once, before any share of it is read
         self._verify_share(bucket, entries, part, parts, checksums)
         with self._lock:
             if push_id in self._finished:

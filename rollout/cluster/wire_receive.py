@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..checks import is_int
-from .wire import WIRE_DTYPES, Manifest, TensorEntry, check_bucket_entries, check_manifest, checksum
+from .wire import WIRE_DTYPES, Manifest, TensorEntry, check_manifest, checksum
 
 
 def assemble(segments: Sequence[np.ndarray]) -> tuple[np.ndarray, bool]:
@@ -69,7 +69,6 @@ def verification_shares(entries: Sequence[TensorEntry], parts: int) -> list[tupl
     (a tied `lm_head.weight`) are checked once."""
     if not is_int(parts) or parts < 1:
         raise ValueError(f"parts must be an int >= 1, got {parts!r}")
-    check_bucket_entries(entries)  # the whole bucket's, before any share of it is looked at
     loads, shares = [0] * parts, [[] for _ in range(parts)]
     for e in sorted(_distinct(entries), key=lambda e: (-e.nbytes, e.offset)):
         lightest = loads.index(min(loads))
@@ -79,8 +78,7 @@ def verification_shares(entries: Sequence[TensorEntry], parts: int) -> list[tupl
 
 
 def verify_entries(bucket: np.ndarray, entries: Sequence[TensorEntry]) -> None:
-    """Check the checksums of `entries`, all held by `bucket`."""
-    check_bucket_entries(entries, bucket.nbytes)
+    """Check the checksums of `entries`, all held by `bucket` (checked by `wire.check_bucket_entries`)."""
     for e in _distinct(entries):
         if checksum(bucket[e.offset : e.offset + e.nbytes]) != e.checksum:
             raise ValueError(f"weight push tensor {e.name!r} fails its checksum (bucket {e.bucket}, offset {e.offset})")
@@ -103,8 +101,8 @@ def unpack(buckets: Sequence[np.ndarray], manifest: Manifest) -> dict[str, torch
 def unpack_entries(bucket: np.ndarray, entries: Sequence[TensorEntry]) -> dict[str, torch.Tensor]:
     """The tensors of `entries`, all held by `bucket`, as views of its bytes.
     They share one storage, so neighbours can be viewed as one tensor.
-    `entries` are checked against the bucket first (`wire.check_bucket_entries`)."""
-    check_bucket_entries(entries, bucket.nbytes)
+    `entries` must have passed `wire.check_bucket_entries` against `bucket`
+    (the actor checks a bucket's entries as it arrives, `unpack` a whole manifest)."""
     whole = _frombuffer(bucket)
     return {e.name: whole.narrow(0, e.offset, e.nbytes).view(WIRE_DTYPES[e.dtype]).view(e.shape) for e in entries}
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import event, given, settings
 
-from rollout.cluster.wire import ALIGN, WIRE_DTYPES, Manifest, check_manifest
+from rollout.cluster.wire import ALIGN, WIRE_DTYPES, Manifest, check_bucket_entries, check_manifest
 from rollout.cluster.wire_receive import unpack, unpack_entries, verification_shares
 from tests.factories import pack_state
 from tests.rollout.cluster.manifest_mutations import follows_format, mutations
@@ -48,10 +48,11 @@ def _mutated(target: str, changes: dict) -> Manifest:
 
 def _receive(buckets, manifest: Manifest) -> dict[str, torch.Tensor]:
     """What an actor on the trainer's node does with a push (no checksums):
-    split each bucket into shares, view each bucket's entries, then view the
-    whole push as the prepare step does."""
+    check each bucket's entries as it arrives, split it into shares and view
+    its entries, then view the whole push as the prepare step does."""
     for index, bucket in enumerate(buckets):
         entries = manifest.bucket_entries(index)
+        check_bucket_entries(entries, bucket.nbytes)
         verification_shares(entries, 2)
         unpack_entries(bucket, entries)
     return unpack(buckets, manifest)
