@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .checks import check_positive
 from .tokenizer import TextCodec
 
 # Names a message's reasoning may come under; transformers copies the first one
@@ -46,12 +47,10 @@ class ChatTemplate:
         codec: TextCodec | None = None,
         time_limit_s: float = TEMPLATE_TIME_LIMIT_S,
     ) -> None:
-        if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
-            raise ValueError(f"time_limit_s must be a number of seconds > 0, got {time_limit_s!r}")
+        self.time_limit_s = check_positive("time_limit_s", time_limit_s)  # seconds
         self.templates = templates
         self.special_tokens = special_tokens
         self.codec = codec
-        self.time_limit_s = time_limit_s
 
     @classmethod
     def from_dir(cls, path: str | Path, codec: TextCodec | None = None) -> ChatTemplate | None:

@@ -40,12 +40,12 @@ from .chat_sizes import (
     checked_filter,
     concat,
     finalize,
-    is_int,
     join_filter,
     join_output,
     lipsum,
     sum_filter,
 )
+from .checks import is_int
 
 __all__ = ["MAX_TEXT", "ChatTemplateError", "compile_template", "render_bounded"]
 
@@ -71,9 +71,11 @@ def render_bounded(source: str, name: str, time_limit_s: float, variables: dict[
         raise ChatTemplateError(f"the chat template {name!r} cannot be compiled: {e}") from None
     token = _DEADLINE.set(time.monotonic() + time_limit_s)
     try:
-        chunks = []
+        chunks, size = [], 0
         for chunk in template.generate(**variables):
             _check_deadline()
+            size += len(chunk)
+            check_size(size, "the rendered prompt")  # each chunk is capped, not how many a loop prints
             chunks.append(chunk)
         return "".join(chunks)
     except _TimeLimit:

@@ -26,6 +26,8 @@ from jinja2.runtime import markup_join, str_join
 from jinja2.sandbox import MAX_RANGE
 from jinja2.visitor import NodeTransformer
 
+from .checks import is_int
+
 # The most characters (or list items) one step of a template may build. A real
 # rendering is the conversation with a few markers around each message, so no
 # step builds more than the whole prompt: a request body is at most 1 MiB by
@@ -33,10 +35,6 @@ from jinja2.visitor import NodeTransformer
 # past any context the engine serves. It keeps one step under 16 MB (4 bytes a
 # character at most), where a width or a doubling would otherwise build GBs.
 MAX_TEXT = 1 << 22
-
-
-def is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_repeat(seq: Any, times: Any) -> None:

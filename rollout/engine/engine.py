@@ -289,8 +289,8 @@ class Engine(WeightsAPI):
             )
         (request,) = self._requests([token_ids], params)
         request.lease_slot = slot
-        slot.request = request  # what Session.abort ends: set first, so an abort racing the submit ends it
         (future,) = self._background.submit([request], pick=_only_sample)
+        slot.request = request  # what Session.abort ends (one racing this call is replayed by the Session)
         return future
 
     def _requests(self, prompts, params: SamplingParams) -> list[Request]:
@@ -372,14 +372,13 @@ class Engine(WeightsAPI):
                 # the step or the update fails midway, none of what it touched is trusted.
                 with recovering(self.scheduler, self.stepper):
                     plan = self.scheduler.schedule(version)
-                    applied = bool(plan.chunks) and run_step(self.stepper, self.scheduler, plan, self._failures)
-                if applied:
-                    info = StepInfo.read(started, plan, self.scheduler)
-                elif not plan.chunks and self.scheduler.blocked_by_drain():
-                    blocked = True
-                elif not plan.chunks:
-                    raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
-                # Else the step failed on some requests' rows: they ended, the others go on next step.
+                    if not plan.chunks:
+                        blocked = self.scheduler.blocked_by_drain()
+                        if not blocked:
+                            raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
+                    elif run_step(self.stepper, self.scheduler, plan, self._failures):
+                        info = StepInfo.read(started, plan, self.scheduler)
+                    # Else the step failed on some requests' rows: they ended, the others go on next step.
             failed = self._failures.collect(pending)
             ended = {key for key, _ in failed}
             finished = [(i, r.result()) for i, r in pending.items() if r.is_finished and i not in ended]

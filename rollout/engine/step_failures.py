@@ -45,6 +45,8 @@ class RequestFailures:
 
     def collect(self, pending: dict[int, Request]) -> list[tuple[int, Exception]]:
         """The failed ones among `pending`, as `(key, error)`, each handed out once."""
+        if not self._errors:  # every step asks: almost always nothing failed
+            return []
         return [(key, self._errors.pop(r.request_id)) for key, r in pending.items() if r.request_id in self._errors]
 
     def forget(self, requests: Iterable[Request]) -> None:
@@ -62,9 +64,9 @@ def run_step(stepper: Stepper, scheduler: Scheduler, plan: StepPlan, failures: R
     try:
         result = stepper.step(plan)
     except Exception:
-        culprits = find_culprits(stepper, plan)
-        requests = {c.seq.request.request_id for c in plan.chunks}
-        if not culprits or len(requests) > 1 and len(culprits) == len(requests):
+        shares = _by_request(plan.chunks)
+        culprits = find_culprits(stepper, plan, shares)
+        if not culprits or len(shares) > 1 and len(culprits) == len(shares):
             raise
         recover(scheduler, stepper)
         for request, error in culprits:
@@ -75,14 +77,17 @@ def run_step(stepper: Stepper, scheduler: Scheduler, plan: StepPlan, failures: R
     return True
 
 
-def find_culprits(stepper: Stepper, plan: StepPlan) -> list[tuple[Request, Exception]]:
+def find_culprits(
+    stepper: Stepper, plan: StepPlan, shares: list[tuple[Request, list[ScheduledChunk]]]
+) -> list[tuple[Request, Exception]]:
     """The requests of `plan` whose share of the step raises when run alone, with
-    their errors. Each share is a plan of its request's chunks (in plan order, so
+    their errors. `shares` are the plan's chunks by request (`_by_request`); each
+    is run as a plan of its request's chunks (in plan order, so
     prefills stay first) and the step's page copies (copying a shared page again
     rewrites the same values). Run before recovery: the shares write KV only to
     pages the plan reserved, which recovery drops."""
     culprits = []
-    for request, chunks in _by_request(plan.chunks):
+    for request, chunks in shares:
         try:
             stepper.step(StepPlan(chunks, plan.page_copies, plan.version))
         except Exception as error:

@@ -97,25 +97,6 @@ def test_session_abort_ends_the_turn_and_the_session_goes_on(qwen2):
     assert engine.stats()["kv_pages_used"] == 0
 
 
-def test_a_session_abort_racing_the_turns_submission_ends_that_turn(qwen2, monkeypatch):
-    """An abort that lands after the turn's request exists and before the
-    stepping thread has it (here: inside the submit) ends that turn, empty."""
-    engine = make_engine(qwen2.path)
-    sess = engine.session(PROMPTS[0])
-    first = sess.generate(SamplingParams(max_tokens=2, ignore_eos=True))  # a previous turn's request, finished
-    submit = engine._background.submit
-
-    def abort_then_submit(requests, **kwargs):
-        sess.abort()
-        return submit(requests, **kwargs)
-
-    monkeypatch.setattr(engine._background, "submit", abort_then_submit)
-    turn = sess.generate(SamplingParams(max_tokens=200, ignore_eos=True))
-    assert first.finish_reason == "length"
-    assert turn.finish_reason == "abort" and turn.token_ids == []
-    assert sess.token_ids == PROMPTS[0] + first.token_ids
-
-
 def test_a_session_abort_while_the_turn_is_being_started_ends_that_turn(qwen2, monkeypatch):
     """An abort that lands before the engine has made the turn's request (here:
     while its request is built) is kept and ends the turn once it exists."""
