@@ -8,9 +8,6 @@ was sampled with."""
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
-
 from .group_collector import Group, GroupCollector, GroupSource
 
 
@@ -18,9 +15,6 @@ class Carry:
     def __init__(self) -> None:
         self.ready: list[Group] = []  # finished, read from their sources, not batched yet
         self.sources: list[GroupSource] = []  # still running, oldest first
-        # The sources a collect saw fail, never read again (a retry with the same
-        # pending), held weakly: only a pending holding one can bring it back.
-        self._failed: list[Callable[[], object]] = []
 
     @property
     def waiting(self) -> int:
@@ -28,25 +22,15 @@ class Carry:
         return len(self.ready) + sum(s.source.remaining for s in self.sources)
 
     def sources_with(self, pending: GroupSource) -> list[GroupSource]:
-        """The carried sources, then `pending` unless it is among them (a retry
-        after a timeout) or failed in an earlier collect."""
-        if self._has_failed(pending.source) or any(s.source is pending.source for s in self.sources):
+        """The carried sources, then `pending` unless it is among them (a retry after a timeout)."""
+        if any(s.source is pending.source for s in self.sources):
             return list(self.sources)
         return [*self.sources, pending]
 
     def keep_all(self, collector: GroupCollector) -> None:
-        """After a collect that raised: everything it read and did not drop,
-        every running source but those that failed."""
+        """After a collect that raised: everything it read and did not drop, every
+        running source (a failed one has nothing `remaining`: it is not kept)."""
         self.ready, self.sources = collector.unread(), collector.live()
-        self._failed = [f for f in self._failed if f() is not None]
-        for s in collector.failed:
-            try:
-                self._failed.append(weakref.ref(s.source))
-            except TypeError:  # not weakly referable: held
-                self._failed.append(lambda source=s.source: source)
-
-    def _has_failed(self, source: object) -> bool:
-        return any(f() is source for f in self._failed)
 
     def settle(self, collector: GroupCollector, leftover: str) -> int:
         """After a collect that returned: carry what the batch did not take

@@ -33,7 +33,7 @@ class EngineRun:
         self._queue: queue.Queue = queue.Queue()
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self.remaining = len(prompts)  # outputs not yet taken with next_output
+        self.remaining = len(prompts)  # outputs next_output has yet to hand out (none once it raised)
         threading.Thread(target=self._run, name="rollout-bridge-generate", daemon=True).start()
 
     def _run(self) -> None:
@@ -49,7 +49,11 @@ class EngineRun:
 
     def next_output(self, timeout: float | None) -> RolloutOutput | None:
         """The next finished prompt's output, or None when none finished within `timeout` s."""
-        item = next_from_queue(self._queue, timeout)
+        try:
+            item = next_from_queue(self._queue, timeout)
+        except BaseException:
+            self.remaining = 0  # the generation failed: nothing more will come
+            raise
         if item is not None:
             self.remaining -= 1
         return item
@@ -92,8 +96,9 @@ class GroupCollector:
     `sources` (oldest first), then refills. What it has taken but not judged
     or returned stays readable (`unread`, `live`) when it raises, so the
     caller can give it back. A source whose read raises (its generation
-    failed) is finished: it leaves the sources for `failed`, is aborted, and
-    its error propagates; the groups it never delivered are `lost_groups`."""
+    failed) has nothing `remaining` after it, so it leaves the live sources;
+    it is aborted, its error propagates, and the groups it never delivered
+    are `lost_groups`."""
 
     def __init__(
         self,
@@ -111,8 +116,13 @@ class GroupCollector:
         self.taken: list[Group] = []  # passed, in the order they finished
         self.ready: deque[Group] = deque()  # finished, not judged yet
         self.sources: list[GroupSource] = []
-        self.failed: list[GroupSource] = []  # sources whose read raised: never read again
-        self.stats = {"dropped_groups": 0, "stale_groups": 0, "refill_prompts": 0, "aborted_groups": 0}
+        self.stats = {
+            "dropped_groups": 0,
+            "stale_groups": 0,
+            "refill_prompts": 0,
+            "aborted_groups": 0,
+            "lost_groups": 0,
+        }
 
     def collect(self, ready: list[Group], sources: list[GroupSource], timeout: float | None) -> list[Group]:
         """At most `min_groups` groups that passed; fewer when every source ran
@@ -167,27 +177,19 @@ class GroupCollector:
 
     def _next(self, s: GroupSource, timeout: float) -> bool:
         """Move `s`'s next output into `ready`; False when none came within `timeout` s.
-        A read that raises is `s`'s generation failing (its error comes out once):
-        `s` is failed before the error propagates."""
+        A read that raises is `s`'s generation failing (its error comes out once,
+        after which `s` has nothing `remaining`, so no collect reads it again): the
+        groups it never delivered are lost, and its other work is aborted."""
+        unread = s.source.remaining
         try:
             out = s.source.next_output(timeout)
         except Exception as error:  # not BaseException: an interrupt during the wait is no failure of `s`
-            self._fail(s, error)
+            self.stats["lost_groups"] += unread
+            try:
+                s.source.abort()
+            except Exception as abort_error:  # the generation's error is the one to raise
+                error.add_note(f"aborting the failed source raised {abort_error!r} too")
             raise
         if out is not None:
             self.ready.append(s.group(out))
         return out is not None
-
-    def _fail(self, s: GroupSource, error: Exception) -> None:
-        """`s` is done for: out of the sources (a caller carrying `live()` drops
-        it), aborted so its remaining work stops, and the groups it never
-        delivered counted lost to `error`. Groups read from it stay."""
-        self.sources = [x for x in self.sources if x.source is not s.source]
-        self.failed.append(s)
-        self.stats["lost_groups"] = self.stats.get("lost_groups", 0) + s.source.remaining
-        abort = getattr(s.source, "abort", None)
-        if callable(abort):
-            try:
-                abort()
-            except Exception as abort_error:  # the generation's error is the one to raise
-                error.add_note(f"aborting the failed source raised {abort_error!r} too")

@@ -40,6 +40,7 @@ class GenerationHandle:
         self._where: dict[int, str] = {}  # prompt index -> the actor working on it, for errors
         self.aborted = False
         self._taken = 0  # outputs handed out by next_output
+        self._read_error = False  # next_output raised the generation's error: nothing more comes
         self._abort_hooks: list[Callable[[], None]] = []  # one per share in flight: ask its actor to abort
 
     def __len__(self) -> int:
@@ -99,14 +100,18 @@ class GenerationHandle:
 
     @property
     def remaining(self) -> int:
-        """Outputs `next_output` has not handed out yet."""
-        return len(self._results) - self._taken
+        """Outputs `next_output` has yet to hand out: none once it raised the generation's error."""
+        return 0 if self._read_error else len(self._results) - self._taken
 
     def next_output(self, timeout: float | None) -> RolloutOutput | None:
         """The next prompt to finish, or None when none did within `timeout` s
         (0: do not wait); raises the generation's error. Shares its order with
         `as_completed`: use one or the other."""
-        item = next_from_queue(self._queue, timeout)
+        try:
+            item = next_from_queue(self._queue, timeout)
+        except BaseException:
+            self._read_error = True
+            raise
         if item is not None:
             self._taken += 1
         return item

@@ -69,6 +69,7 @@ class ScriptedSource:
             return None
         out = self._queue.popleft()
         if isinstance(out, Exception):
+            self.remaining = 0  # as a real handle: nothing more comes once its error came out
             raise out
         self.remaining -= 1
         self.handed_out.append(out.index)
