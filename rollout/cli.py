@@ -19,8 +19,8 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,22 +94,14 @@ def replacing(out: Path) -> Iterator[IO[str]]:
     removed if the block fails (so `out` is never half-written). Beside it so
     the rename stays on one filesystem and is atomic."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")  # a fresh name
-    partial = Path(name)
+    partial = out.with_name(f".{out.name}.{uuid.uuid4().hex}.partial")  # a name no other run (same pid) has
     try:
-        os.chmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would outlive the rename
-        with os.fdopen(fd, "w") as f:
+        with partial.open("x") as f:  # the umask's permissions, as `out` would get them
             yield f
         os.replace(partial, out)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 class InOrder:

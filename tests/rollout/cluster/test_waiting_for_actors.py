@@ -18,7 +18,8 @@ from rollout.cluster.streams import start_stream
 from rollout.sampling_params import SamplingParams
 from tests.rollout.cluster.test_dispatch import LIMITS, PARAMS, WAIT, FakeActor
 
-TIMEOUT_S = 5.0  # how long the pool waits for a replacement: a caller that waits fails the test
+TIMEOUT_S = 12 * WAIT  # how long the pool waits for a replacement: far past every wait here, so a caller
+# still waiting (the cancel or abort did not stop it) fails the test instead of timing out on its own
 
 
 class RecordingHandle:

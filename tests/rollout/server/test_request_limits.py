@@ -139,8 +139,9 @@ def test_work_in_flight_past_its_bound_gets_429_on_every_route(gated):
 
 def test_a_request_the_engine_refuses_holds_nothing(gated):
     url, _ = gated
-    # 1 + 56 = 57 taken, then the engine refuses the token id: a 400, and the 57 are given back.
-    assert_400(completion(url, prompt=[9999], max_tokens=56), "prompt", "outside the vocabulary")
+    # 1 + 56 = 57 taken, then the engine refuses the stop id as the stream starts: a 400, and the 57 are given back.
+    refused = completion(url, prompt=[1], max_tokens=56, stop_token_ids=[9999])
+    assert_400(refused, "stop_token_ids", "outside the vocabulary")
     assert completion(url, max_tokens=57).status_code == 200  # 3 + 57: the whole bound is free
 
 
