@@ -26,12 +26,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from ..engine.errors import UnavailableError
 from .backend import Backend
 from .config import ServerConfig
 from .errors import APIError, from_validation, install_handlers
 from .events import events
-from .generation import ClientGone, InFlight, cancel, outputs, start, unavailable, wait_for_disconnect
+from .generation import ClientGone, InFlight, cancel, outputs, start, wait_for_disconnect
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import Reply, usage
 from .schemas import ChatRequest, CompletionRequest
@@ -105,8 +104,6 @@ class Answers:
             done = await outputs(streams, lambda: wait_for_disconnect(request.receive))
         except ClientGone:
             raise APIError(499, "the client closed the request", code="client_closed_request") from None
-        except UnavailableError as e:  # no actor came back, or a shutdown, while it waited
-            raise unavailable(e) from None
         finally:
             self._end(job, streams)
         counts = usage(done)

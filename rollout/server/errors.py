@@ -17,6 +17,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from ..engine.errors import ClosedError, UnavailableError
+
 log = logging.getLogger("rollout.server")
 
 # Request fields an engine message may start with, as the OpenAI request calls them.
@@ -70,12 +72,32 @@ def from_engine(error: ValueError | TypeError, prompt_field: str) -> APIError:
     return APIError(400, message, param)
 
 
-def internal_error(error: BaseException) -> tuple[dict, str]:
-    """The body of an unexpected failure and its new request id; the traceback is logged under that id."""
+def internal_error(error: BaseException) -> dict:
+    """The body of an unexpected failure, with a new request id; the traceback is logged under that id."""
     request_id = uuid.uuid4().hex
     log.error("internal error (request id %s)", request_id, exc_info=error)
     body = {"message": "internal error", "type": "server_error", "param": None, "code": None}
-    return {"error": {**body, "request_id": request_id}}, request_id
+    return {"error": {**body, "request_id": request_id}}
+
+
+RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait: requests end at token pace, so soon
+
+
+class RetryLater(APIError):
+    """An error whose request may succeed later: a `Retry-After` header says when."""
+
+    def response(self) -> JSONResponse:
+        response = super().response()
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
+
+
+def unavailable(error: UnavailableError) -> RetryLater:
+    """A 503 for a request nothing can serve now (a shutdown, no live actor);
+    the detail, which names actors and their errors, goes to the log only."""
+    reason = "the server is shutting down" if isinstance(error, ClosedError) else "no rollout actor is available"
+    log.warning("503 (%s): %s", reason, error)
+    return RetryLater(503, f"{reason}: retry after {RETRY_AFTER_S} s", code="unavailable", kind="server_error")
 
 
 def from_validation(error: ValidationError) -> APIError:
@@ -120,7 +142,11 @@ def install_handlers(app: FastAPI) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
         return APIError(error.status_code, str(error.detail), code=code).response()
 
+    @app.exception_handler(UnavailableError)
+    async def _unavailable(request: Request, error: UnavailableError) -> JSONResponse:
+        return unavailable(error).response()
+
     @app.exception_handler(Exception)
     async def _server_error(request: Request, error: Exception) -> JSONResponse:
-        body, request_id = internal_error(error)
-        return JSONResponse(body, status_code=500, headers={"X-Request-Id": request_id})
+        body = internal_error(error)
+        return JSONResponse(body, status_code=500, headers={"X-Request-Id": body["error"]["request_id"]})

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from ..engine.errors import UnavailableError
 from ..engine.streams import SampleDelta, TokenStream
 from ..outputs import RolloutOutput
-from .errors import internal_error
-from .generation import cancel, items, unavailable
+from .errors import internal_error, unavailable
+from .generation import cancel, items
 from .metrics import Metrics
 from .responses import Reply
 from .streaming import SSE_DONE, SampleText, sse
@@ -59,7 +59,7 @@ async def events(reply: Reply, streams: list[TokenStream], metrics: Metrics) -> 
     except UnavailableError as e:  # no actor came back, or a shutdown, while it waited: a 503's body
         yield sse(unavailable(e).body())
     except Exception as e:  # noqa: BLE001 (the client hears of it; the status line has gone out)
-        yield sse(internal_error(e)[0])
+        yield sse(internal_error(e))
     finally:
         cancel(streams)
     yield SSE_DONE

@@ -9,28 +9,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from fastapi.responses import JSONResponse
-
-from ..engine.engine import ClosedError
 from ..engine.errors import UnavailableError
 from ..engine.streams import SampleDelta, TokenStream
 from ..outputs import RolloutOutput
 from .backend import Backend
-from .errors import APIError, from_engine, log
+from .errors import RETRY_AFTER_S, RetryLater, from_engine
 from .translate import Job
 
 Item = SampleDelta | RolloutOutput
 _END = object()
-RETRY_AFTER_S = 1  # what a 429 tells the client to wait: requests end at token pace, so soon
-
-
-class RetryLater(APIError):
-    """An error whose request may succeed later: a `Retry-After` header says when."""
-
-    def response(self) -> JSONResponse:
-        response = super().response()
-        response.headers["Retry-After"] = str(RETRY_AFTER_S)
-        return response
 
 
 class ServerBusy(RetryLater):
@@ -61,14 +48,6 @@ class InFlight:
         self.tokens -= job.work
 
 
-def unavailable(error: UnavailableError) -> APIError:
-    """A 503 for a request nothing can serve now (a shutdown, no live actor);
-    the detail, which names actors and their errors, goes to the log only."""
-    reason = "the server is shutting down" if isinstance(error, ClosedError) else "no rollout actor is available"
-    log.warning("503 (%s): %s", reason, error)
-    return RetryLater(503, f"{reason}: retry after {RETRY_AFTER_S} s", code="unavailable", kind="server_error")
-
-
 class ClientGone(Exception):
     """The client closed its connection before its response was ready."""
 
@@ -85,8 +64,8 @@ def start(job: Job, backend: Backend, inflight: InFlight) -> list[TokenStream]:
     except BaseException as e:
         inflight.release(job)
         cancel(streams)
-        if isinstance(e, ClosedError):  # a ValueError too: check it first
-            raise unavailable(e) from None
+        if isinstance(e, UnavailableError):  # a closed engine's is a ValueError too: a 503 (`errors.py`), not a 400
+            raise
         if isinstance(e, (ValueError, TypeError)):
             raise from_engine(e, job.prompt_field) from None
         raise

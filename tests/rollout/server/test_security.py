@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from rollout.chat import ChatTemplate
 from rollout.cli import main, parser
-from rollout.engine.errors import NoActorInTimeError
+from rollout.engine.errors import ClosedError, NoActorInTimeError
 from rollout.engine.streams import TokenStream
 from rollout.server import EngineBackend, ServerConfig, start_server
 from rollout.server.run import api_key, server_config
@@ -218,6 +218,15 @@ def test_no_live_actor_is_a_503_to_retry_not_an_internal_error(tiny_engine):
             for _ in client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=2, stream=True):
                 pass
     assert failed.value.body["code"] == "unavailable" and "4242" not in str(failed.value.body)
+
+
+def test_a_closed_engine_is_a_503_not_a_400(tiny_engine):
+    """`ClosedError` is a ValueError too; it must not read as the client's mistake."""
+    backend = _FailingBackend(tiny_engine, ClosedError(f"engine closed ({SECRET})"), at_start=True)
+    with running(backend) as url:
+        response = httpx.post(url + "/v1/completions", json={"prompt": [1, 40], "max_tokens": 2}, timeout=30)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["message"] == "the server is shutting down: retry after 1 s"
 
 
 LOOPING = "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}"
