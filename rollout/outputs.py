@@ -22,6 +22,12 @@ class Sample:
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
 
 
+def unstarted_sample(top_logprobs: int, decodes: bool) -> Sample:
+    """The sample of work aborted before anything ran, as the engine ends one:
+    no tokens, empty text where it decodes, empty top logprobs where asked."""
+    return Sample([], [], [], "abort", "" if decodes else None, [] if top_logprobs else None)
+
+
 @dataclass(slots=True)
 class RolloutOutput:
     """All samples of one prompt, in sample order."""

@@ -22,7 +22,7 @@ from collections import Counter, OrderedDict
 
 from ..engine.engine import Engine
 from ..engine.session import Session
-from ..outputs import Sample
+from ..outputs import Sample, unstarted_sample
 from ..sampling_params import SamplingParams
 from .call_aborts import CallAborts
 
@@ -82,7 +82,7 @@ class EngineSessions:
                 sess.abort()
 
             if self._aborts.register(turn_id, abort):
-                sample = unstarted(params, self._engine.codec is not None)
+                sample = unstarted_sample(params.top_logprobs, self._engine.codec is not None)
             else:
                 sample = sess.generate(params, abort=aborted)
         except BaseException:
@@ -144,9 +144,3 @@ class EngineSessions:
                     dropped.append(self._kept.popitem(last=False)[1][1])
         for s in dropped:
             s.close()
-
-
-def unstarted(params: SamplingParams, decodes: bool) -> Sample:
-    """The sample of a turn aborted before it started, as the engine would end
-    it: no tokens (and empty text where the engine decodes)."""
-    return Sample([], [], [], "abort", "" if decodes else None, [] if params.top_logprobs else None)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from ..engine.requests import PromptLimits, validate_prompts
-from ..outputs import RolloutOutput, Sample
+from ..outputs import RolloutOutput, unstarted_sample
 from ..sampling_params import SamplingParams
 from ..tokenizer import TextCodec
 from .actor_slots import ActorGone, ActorSlot, unwrap
@@ -100,6 +100,7 @@ class GenerationDispatch:
         params = SamplingParams() if params is None else params
         token_lists, texts = validate_prompts(prompts, params, self._limits, self._codec)
         handle = GenerationHandle(texts)
+        handle._on_abort(self._pool.wake)  # an abort ends any wait for a live actor
         if token_lists:
             self._dispatch(handle, token_lists, params, list(range(len(token_lists))))
         return handle
@@ -107,7 +108,6 @@ class GenerationDispatch:
     def _dispatch(self, handle: GenerationHandle, prompts, params: SamplingParams, indices: list[int]) -> None:
         """Send the prompts `indices` to the live actors and consume each stream on its own thread."""
         cost = params.n * params.max_tokens
-        handle._on_abort(self._pool.wake)  # an abort ends the wait for a live actor
         with self._pool.cond:
             live = self._pool.wait_for_live(lambda: handle.aborted)
             chosen = balance(indices, prompts, {s.index: s.load for s in live}, cost) if live else {}
@@ -115,7 +115,7 @@ class GenerationDispatch:
                 slot.load += cost * len(chosen[slot.index])
             shares = [_Share(s, s.generation, s.handle, chosen[s.index]) for s in live if chosen[s.index]]
         if not live:  # aborted while no actor was alive: nothing starts
-            _deliver_aborted(handle, prompts, params, indices)
+            _deliver_aborted(handle, prompts, params, indices, self._codec is not None)
         for share in shares:
             handle._assign(share.indices, share.slot.label)
             stream = self._pool.open_stream(
@@ -148,7 +148,7 @@ class GenerationDispatch:
             self._pool.actor_died(share.slot, share.generation, "died while generating")
             lost = handle._missing(sorted(remaining))  # an output already delivered is never generated again
             if handle.aborted:  # nothing is regenerated after an abort: the lost samples end empty
-                _deliver_aborted(handle, prompts, params, lost)
+                _deliver_aborted(handle, prompts, params, lost, self._codec is not None)
             elif lost:
                 try:
                     self._dispatch(handle, prompts, params, lost)
@@ -164,9 +164,10 @@ class GenerationDispatch:
                 share.slot.load = max(0, share.slot.load - amount)
 
 
-def _deliver_aborted(handle: GenerationHandle, prompts, params: SamplingParams, indices: list[int]) -> None:
+def _deliver_aborted(
+    handle: GenerationHandle, prompts, params: SamplingParams, indices: list[int], decodes: bool
+) -> None:
     """Deliver the prompts `indices`, aborted before anything was sampled: every sample empty."""
     for i in indices:
-        top = [] if params.top_logprobs else None
-        empty = [Sample([], [], [], "abort", top_logprobs=top) for _ in range(params.n)]
+        empty = [unstarted_sample(params.top_logprobs, decodes) for _ in range(params.n)]
         handle._deliver(RolloutOutput(list(prompts[i]), empty, index=i))

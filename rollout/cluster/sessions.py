@@ -23,10 +23,9 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 from ..engine.requests import PromptLimits, validate_prompts
-from ..outputs import Sample
+from ..outputs import Sample, unstarted_sample
 from ..sampling_params import SamplingParams
 from ..tokenizer import TextCodec
-from .actor_sessions import unstarted
 from .actor_slots import ActorGone, ActorSlot, unwrap
 from .dispatch import Pool
 from .ray_runtime import SESSIONS, control, ray_module
@@ -176,12 +175,12 @@ class ClusterTurns:
             while True:
                 pinned = self._start(call, cost)
                 if pinned is None:
-                    return unstarted(params, self.codec is not None)
+                    return unstarted_sample(params.top_logprobs, self.codec is not None)
                 slot, generation = pinned
                 try:
                     ref = call.start(slot, self.session_id, token_ids, params)
                     if ref is None:
-                        return unstarted(params, self.codec is not None)
+                        return unstarted_sample(params.top_logprobs, self.codec is not None)
                     return self._sessions.run_turn(slot, ref)
                 except ActorGone:
                     pool.actor_died(slot, generation, "died while running a session turn")

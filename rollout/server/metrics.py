@@ -25,7 +25,7 @@ class Metrics:
         self.completion_tokens = 0  # tokens sent to clients
         self.running = 0  # generation requests in flight
 
-    def render(self, policy_version: int, backend: dict[str, int], inflight_tokens: int = 0) -> str:
+    def render(self, policy_version: int, backend: dict[str, int], inflight_tokens: int) -> str:
         lines: list[str] = []
         _family(lines, "rollout_requests_total", "counter", "HTTP responses by endpoint and status.")
         for (endpoint, status), count in sorted(self.requests.items()):

@@ -35,7 +35,7 @@ def _command(server, line: str, answer: str) -> None:
     assert server.process.stdout.readline().strip() == answer
 
 
-def test_no_live_actor_blocks_the_event_loop_and_a_waiting_request_then_completes(server):
+def test_no_live_actor_does_not_block_the_event_loop_and_a_waiting_request_then_completes(server):
     asyncio.run(_stream_across_a_respawn(server))
 
 
