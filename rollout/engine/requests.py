@@ -48,7 +48,7 @@ def validate_prompts(
     _check_params(params, limits, codec)
     for i, ids in enumerate(token_lists):
         _check_fits(i, ids, params, limits)
-    _check_work(token_lists, params, limits)
+    check_request_tokens([len(ids) for ids in token_lists], params, limits.max_seq_len, limits.max_request_tokens)
     return token_lists, texts
 
 
@@ -59,16 +59,17 @@ def request_tokens(prompt_lengths: list[int], params: SamplingParams, max_seq_le
     return sum(params.n * (k + min(params.max_tokens, max_seq_len - k)) for k in prompt_lengths)
 
 
-def _check_work(token_lists: list[list[int]], params: SamplingParams, limits: PromptLimits) -> None:
-    if limits.max_request_tokens is None:
-        return
-    work = request_tokens([len(ids) for ids in token_lists], params, limits.max_seq_len)
-    if work > limits.max_request_tokens:
+def check_request_tokens(prompt_lengths: list[int], params: SamplingParams, max_seq_len: int, limit: int | None) -> int:
+    """The call's `request_tokens`; `ValueError` (naming `max_tokens`, the usual
+    thing to lower, and `max_request_tokens`) past `limit` (None: no bound)."""
+    work = request_tokens(prompt_lengths, params, max_seq_len)
+    if limit is not None and work > limit:
         raise ValueError(
-            f"max_tokens: {len(token_lists)} prompts x n={params.n} x (prompt tokens + max_tokens="
-            f"{params.max_tokens}) come to {work} tokens, over max_request_tokens ({limits.max_request_tokens}); "
+            f"max_tokens: {len(prompt_lengths)} prompts x n={params.n} x (prompt tokens + max_tokens="
+            f"{params.max_tokens}) come to {work} tokens, over max_request_tokens ({limit}); "
             "lower n, max_tokens or the prompts, or split the call"
         )
+    return work
 
 
 def prompt_token_ids(prompt, limits: PromptLimits, codec: TextCodec | None, tools: list | None = None) -> list[int]:
@@ -98,8 +99,8 @@ def make_requests(
     make_seq: Callable[..., Sequence] = Sequence,
 ) -> list[Request]:
     """Validate and build the requests of one generate call; raises before creating any."""
-    params = _validated_copy(params)
     token_lists, texts = validate_prompts(prompts, params, PromptLimits.of(cfg, mc), codec)
+    params = _validated_copy(params)
     stop_ids = set(params.stop_token_ids or ())
     if not params.ignore_eos:
         stop_ids.update(codec.eos_token_ids if codec is not None else mc.eos_token_ids)
@@ -123,9 +124,7 @@ def make_requests(
 def _validated_copy(params: SamplingParams) -> SamplingParams:
     """The requests' own copy of `params`, validated again on construction: a field
     set after `params` was made (which skips its checks), or after this call,
-    never reaches the step's buffers."""
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    never reaches the step's buffers (`validate_prompts` checked its type)."""
     return replace(params)
 
 

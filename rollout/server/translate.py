@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..engine.requests import request_tokens
+from ..engine.requests import check_request_tokens
 from ..sampling_params import SamplingParams
 from .backend import Backend
 from .config import ServerConfig
@@ -65,18 +65,13 @@ def _job(req: CommonRequest, chat: bool, prompts: list, params: SamplingParams, 
 
 
 def request_work(prompts: list[list[int]], params: SamplingParams, config: ServerConfig, backend: Backend) -> int:
-    """The work of a request of tokenized `prompts`, as the engine counts it
-    (`request_tokens`); a 400 past `config.max_request_tokens`."""
-    work = request_tokens([len(p) for p in prompts], params, backend.max_seq_len)
-    if work > config.max_request_tokens:
-        raise APIError(
-            400,
-            f"max_tokens: {len(prompts)} prompts x n={params.n} x (prompt tokens + max_tokens={params.max_tokens}) "
-            f"come to {work} tokens; this server takes at most {config.max_request_tokens} per request "
-            "(max_request_tokens): lower n, max_tokens or the prompts",
-            "max_tokens",
-        )
-    return work
+    """The work of a request of tokenized `prompts`, as the engine counts it; a
+    400 naming `max_tokens` past `config.max_request_tokens`."""
+    lengths = [len(p) for p in prompts]
+    try:
+        return check_request_tokens(lengths, params, backend.max_seq_len, config.max_request_tokens)
+    except ValueError as e:
+        raise from_engine(e, "prompt") from None
 
 
 def _check_common(req: CommonRequest, config: ServerConfig) -> None:

@@ -4,6 +4,8 @@ length), the stop matcher's work per token, and a call's total tokens
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,12 +34,12 @@ def test_stop_strings_are_bounded_in_count_and_length():
 def test_request_tokens_are_bounded_at_the_edge():
     # Hand-computed: n=2 x ((3 + 4) + (2 + 4)) = 26 tokens.
     params = SamplingParams(n=2, max_tokens=4)
-    at = PromptLimits(**{**_fields(LIMITS), "max_request_tokens": 26})
+    at = dataclasses.replace(LIMITS, max_request_tokens=26)
     assert validate_prompts([[5, 6, 7], [5, 6]], params, at, None)[0] == [[5, 6, 7], [5, 6]]
     with pytest.raises(ValueError, match=r"^max_tokens: .* come to 28 tokens, over max_request_tokens \(26\)"):
         validate_prompts([[5, 6, 7], [5, 6, 7]], params, at, None)
     # max_tokens counts as the engine runs it, capped by the context: 3 + (256 - 3).
-    capped = PromptLimits(**{**_fields(LIMITS), "max_request_tokens": 256})
+    capped = dataclasses.replace(LIMITS, max_request_tokens=256)
     validate_prompts([[5, 6, 7]], SamplingParams(max_tokens=10_000), capped, None)
     with pytest.raises(ValueError, match="come to 512 tokens"):
         validate_prompts([[5, 6, 7]], SamplingParams(n=2, max_tokens=10_000), capped, None)
@@ -149,7 +151,3 @@ def test_stop_matcher_agrees_with_searching_the_whole_text_every_token(output, s
             break
     cut, per_token = _scan(codec, stops, output)
     assert (None if cut is None else (len(per_token), cut)) == expected
-
-
-def _fields(limits: PromptLimits) -> dict:
-    return {f: getattr(limits, f) for f in limits.__dataclass_fields__}

@@ -96,7 +96,7 @@ def test_request_tokens_at_their_bound(gated):
     left = LIMIT - len(CHAT_PROMPT)
     assert left == 14
     assert chat(url, max_tokens=left).status_code == 200
-    assert_400(chat(url, max_tokens=left + 1), "max_tokens", f"at most {LIMIT} per request")
+    assert_400(chat(url, max_tokens=left + 1), "max_tokens", f"over max_request_tokens ({LIMIT})")
 
 
 def test_work_in_flight_past_its_bound_gets_429_on_every_route(gated):
