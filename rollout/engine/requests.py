@@ -100,7 +100,7 @@ def make_requests(
 ) -> list[Request]:
     """Validate and build the requests of one generate call; raises before creating any."""
     token_lists, texts = validate_prompts(prompts, params, PromptLimits.of(cfg, mc), codec)
-    params = _validated_copy(params)
+    params = _validated_copy(params, mc.vocab_size)
     stop_ids = set(params.stop_token_ids or ())
     if not params.ignore_eos:
         stop_ids.update(codec.eos_token_ids if codec is not None else mc.eos_token_ids)
@@ -121,11 +121,13 @@ def make_requests(
     return requests
 
 
-def _validated_copy(params: SamplingParams) -> SamplingParams:
+def _validated_copy(params: SamplingParams, vocab_size: int) -> SamplingParams:
     """The requests' own copy of `params`, validated again on construction: a field
     set after `params` was made (which skips its checks), or after this call,
-    never reaches the step's buffers (`validate_prompts` checked its type)."""
-    return replace(params)
+    never reaches the step's buffers (`validate_prompts` checked its type). Its
+    top_k is capped at the vocabulary, which keeps every token as any larger k
+    (or 0) does, so the step's int64 buffer holds it."""
+    return replace(params, top_k=min(params.top_k, vocab_size))
 
 
 def render_chat(name: str, messages, codec: TextCodec | None, tools: list | None = None) -> str:

@@ -114,6 +114,10 @@ class Request:
     leader: Sequence | None = None  # computes the shared prompt for pending_forks
     started: bool = False  # some sample was admitted (the request is in flight)
     lease_slot: LeaseSlot | None = None  # a session's turn: its KV is kept there when it finishes
+    longest_stop: int = field(init=False)  # characters in the params' longest stop string (0: none)
+
+    def __post_init__(self) -> None:
+        self.longest_stop = max(map(len, self.params.stop or ()), default=0)  # the stop matcher asks every token
 
     @property
     def is_finished(self) -> bool:

@@ -197,7 +197,7 @@ class Stepper:
             positions=positions,
             context_lens=[p + 1 for p in positions],
             rng_pos=[s.num_output_tokens for s in seqs],
-            sampling={**_sampling_values(seqs, self.model.cfg.vocab_size), "logit_rows": rows, "sample_rows": rows},
+            sampling={**_sampling_values(seqs), "logit_rows": rows, "sample_rows": rows},
         )
 
     def _upload_general(self, chunks: list[ScheduledChunk]) -> int:
@@ -221,7 +221,7 @@ class Stepper:
         self.ws.upload("logit_rows", logit_rows)
         self.ws.upload("sample_rows", sample_rows)
         self.ws.upload("rng_pos", [s.num_output_tokens for s in samplers])
-        for name, values in _sampling_values(samplers, self.model.cfg.vocab_size).items():
+        for name, values in _sampling_values(samplers).items():
             self.ws.upload(name, values)
         return len(logit_rows)
 
@@ -261,14 +261,11 @@ def _is_pure_decode(chunks: list[ScheduledChunk]) -> bool:
     return all(c.length == 1 and len(c.samplers) == 1 and c.samplers[0] is c.seq for c in chunks)
 
 
-def _sampling_values(seqs: list[Sequence], vocab: int) -> dict[str, list]:
-    """The rows' sampling buffers. `SamplingParams` bounds every value to what its
-    buffer holds but top_k, which only the vocabulary bounds: a k past it keeps every
-    token, as k = vocab does (and as 0 does), and would overflow the int64 buffer."""
-    params = [s.request.params for s in seqs]
+def _sampling_values(seqs: list[Sequence]) -> dict[str, list]:
+    params = [s.request.params for s in seqs]  # top_k capped at the vocabulary by make_requests
     return {
         "temperature": [float(p.temperature) for p in params],
-        "top_k": [min(p.top_k, vocab) for p in params],
+        "top_k": [p.top_k for p in params],
         "top_p": [float(p.top_p) for p in params],
         "min_p": [float(p.min_p) for p in params],
         "seed": [s.request.seed for s in seqs],

@@ -38,7 +38,7 @@ class StopStrings:
         start = seq.num_prompt_tokens
         ids = seq.token_ids
         newest = len(self.codec.decode(ids[-1:])) + NEWEST_SLACK
-        chars = max(len(s) for s in stops) + newest  # where a stop ending in the newest token may start
+        chars = seq.request.longest_stop + newest  # where a stop ending in the newest token may start
         need = chars + GUARD_CHARS
         window = need
         while True:

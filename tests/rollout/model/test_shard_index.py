@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from rollout.model.loader import checkpoint_files
 from tests.conftest import make_engine
@@ -37,15 +38,22 @@ def _write_index(path, shard: str) -> None:
     (path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def test_an_index_inside_the_directory_loads(ckpt):
+def _assert_loads_the_weights(ckpt, original) -> None:
+    """An engine on `ckpt` holds exactly the weights of the checkpoint it was copied from."""
+    slots = make_engine(ckpt, max_batch_size=2, max_seq_len=32, kv_cache_tokens=256).model.weight_slots()
+    for name, tensor in original.hf.state_dict().items():
+        assert torch.equal(slots[name].view(), tensor.to(slots[name].view().dtype)), name
+
+
+def test_an_index_inside_the_directory_loads(ckpt, qwen2):
     shutil.copy(ckpt / "model.safetensors", ckpt / "shard.safetensors")
     _write_index(ckpt, "shard.safetensors")
     (ckpt / "model.safetensors").symlink_to("shard.safetensors")  # a link that stays inside is fine
     assert [f.name for f in checkpoint_files(ckpt)] == ["model.safetensors", "shard.safetensors"]
-    make_engine(ckpt, max_batch_size=2, max_seq_len=32, kv_cache_tokens=256)
+    _assert_loads_the_weights(ckpt, qwen2)
 
 
-def test_a_snapshot_of_links_into_a_blob_store_loads(ckpt):
+def test_a_snapshot_of_links_into_a_blob_store_loads(ckpt, qwen2):
     """Hugging Face's cache: snapshots/<rev>/ holds links to ../../blobs/<hash>."""
     blobs = ckpt.parent / "blobs"
     blobs.mkdir()
@@ -54,7 +62,7 @@ def test_a_snapshot_of_links_into_a_blob_store_loads(ckpt):
     for name in ("model.safetensors", "shard.safetensors"):
         (ckpt / name).symlink_to("../blobs/0123abcd")
     assert [f.name for f in checkpoint_files(ckpt)] == ["model.safetensors", "shard.safetensors"]
-    make_engine(ckpt, max_batch_size=2, max_seq_len=32, kv_cache_tokens=256)
+    _assert_loads_the_weights(ckpt, qwen2)
 
 
 @pytest.mark.parametrize("escape", ["parent", "absolute", "inner_parent"])
