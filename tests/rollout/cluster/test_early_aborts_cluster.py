@@ -17,7 +17,6 @@ from rollout.cluster import streams
 from tests.rollout.cluster.test_cluster import wait_until
 from tests.rollout.cluster.test_sessions import PROMPT, _pause_while
 
-cancel_on = streams._cancel_on
 LONG = SamplingParams(n=8, max_tokens=100, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=2, ignore_eos=True)
 
@@ -95,17 +94,23 @@ def test_a_submit_aborted_before_its_call_starts_on_the_actor(narrow, hold):
 
 
 def test_a_stream_cancelled_before_its_call_starts_on_the_actor(narrow, hold, monkeypatch):
-    sent: list[str] = []  # the cancels the driver sent to an actor (none if it cancelled before dispatching)
-    monkeypatch.setattr(
-        streams, "_cancel_on", lambda slot, stream_id: sent.append(stream_id) or cancel_on(slot, stream_id)
-    )
+    sent = threading.Event()  # the driver made the actor call (it then waits behind the held one)
+    start = streams._Reader._start
+
+    def start_then_tell(reader):
+        started = start(reader)
+        sent.set()
+        return started
+
+    monkeypatch.setattr(streams._Reader, "_start", start_then_tell)
     sess = narrow.session(PROMPT)
     before = _idle(narrow)
     held = Held(narrow, hold, lambda: sess.generate(SHORT))  # streams share the session threads
     try:
         stream = narrow.stream(PROMPT, LONG)
+        assert sent.wait(60)
         stream.cancel()
-        wait_until(lambda: _health(narrow)["early_aborts"] == len(sent), 60)  # it got there first
+        wait_until(lambda: _health(narrow)["early_aborts"] == 1, 60)  # the cancel got there first
     finally:
         held.release()
     with pytest.raises(asyncio.CancelledError):
@@ -118,28 +123,27 @@ def test_a_stream_cancelled_before_its_call_starts_on_the_actor(narrow, hold, mo
 
 
 def test_a_session_turn_aborted_before_it_starts_on_the_actor(narrow, hold):
-    other, sess = narrow.session(PROMPT), narrow.session(PROMPT[:5])
+    sess = narrow.session(PROMPT[:5])
     before = _idle(narrow)
-    held = Held(narrow, hold, lambda: other.generate(SHORT))
+    # A stream holds the actor's session thread; the driver's one session thread stays free to send the turn.
+    held = Held(narrow, hold, lambda: list(narrow.stream(PROMPT, SHORT)))
     result: dict = {}
     try:
         turn = threading.Thread(
             target=lambda: result.setdefault("turn", sess.generate(SamplingParams(max_tokens=100, ignore_eos=True)))
         )
         turn.start()
-        wait_until(lambda: sess._backend._current is not None, 60)  # the turn is under way on the driver
-        call = sess._backend._current
+        # The turn was sent to the actor, where it waits behind the held one.
+        wait_until(lambda: sess._backend._current is not None and sess._backend._current._slot is not None, 60)
         sess.abort()
-        sent = call._slot is not None  # the turn was sent to the actor before the abort: so was the abort
-        wait_until(lambda: _health(narrow)["early_aborts"] == int(sent), 60)  # it got there first
+        wait_until(lambda: _health(narrow)["early_aborts"] == 1, 60)  # the abort got there first
     finally:
         held.release()
     turn.join(60)
     _assert_nothing_sampled([result["turn"]])
     assert sess.token_ids == PROMPT[:5] and sess.num_turns == 1
     after = _idle(narrow)
-    assert after["computed_tokens"] - before["computed_tokens"] <= len(PROMPT) + 1  # the held turn's only
+    assert after["computed_tokens"] - before["computed_tokens"] <= len(PROMPT) + 1  # the held stream's only
     assert sess.generate(SHORT).finish_reason == "length"  # the abort ended that turn, not the next
-    other.close()
     sess.close()
     wait_until(lambda: _health(narrow)["kv_pages_used"] == 0 and _health(narrow)["early_aborts"] == 0, 60)
