@@ -1,7 +1,14 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # The CUDA kernels (rollout/kernels/triton/) run here under Triton's interpreter,
+    # which must be chosen before triton is first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.factories import FAMILIES, make_checkpoint
 

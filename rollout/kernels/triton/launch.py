@@ -1,0 +1,51 @@
+"""Launching the engine's Triton kernels, and counting the launches.
+
+Every kernel in this folder is launched through `launch`, so `launches()`
+sees all of them: the launch-count test adds them to the torch ops of a
+decode step, and the GPU benchmark reports them per step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_counters: list[list[str]] = []  # the open `launches()` blocks, innermost last
+
+
+def interpreted() -> bool:
+    """Whether Triton kernels run under the interpreter (on the CPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on `device`, or None when they can."""
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu":
+        return None if interpreted() else "Triton kernels run on a CPU device only with TRITON_INTERPRET=1"
+    return f"Triton kernels need a CUDA device, got {device}"
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
+    """Launch the `triton.jit` function `kernel` over `grid` (recorded in every open `launches()`)."""
+    for names in _counters:
+        names.append(kernel.fn.__name__)
+    kernel[grid](*args, **meta)
+
+
+@contextmanager
+def launches() -> Iterator[list[str]]:
+    """Collects the names of the Triton kernels launched inside the block, in order."""
+    names: list[str] = []
+    _counters.append(names)
+    try:
+        yield names
+    finally:
+        _counters.remove(names)
