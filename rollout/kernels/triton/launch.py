@@ -35,6 +35,8 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     """Launch the `triton.jit` function `kernel` over `grid` (recorded in every open `launches()`)."""
+    if interpreted():
+        _fix_interpreter_scalar_index()
     for names in _counters:
         names.append(kernel.fn.__name__)
     kernel[grid](*args, **meta)
@@ -49,3 +51,26 @@ def launches() -> Iterator[list[str]]:
         yield names
     finally:
         _counters.remove(names)
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Let loops with run-time bounds run under the interpreter with numpy >= 2.4.
+
+    Triton 3.6's interpreter holds scalars as 1-element arrays and converts them
+    with `int(array)`, which numpy 2.4 refuses for arrays of rank > 0, so
+    `range(start, stop)` over a loaded length fails. Upstream fixed it
+    (triton-lang/triton#9172) after 3.6; this applies the same fix on each
+    kernel's patch scope, once per process.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "scalar_index_fixed", False):
+        return
+
+    def patch_lang_tensor(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor.scalar_index_fixed = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
