@@ -24,7 +24,7 @@ MAX_SPLITS = 16  # beyond this the merge costs more than the extra parallelism g
 CPU_MULTIPROCESSORS = 2  # stand-in for the interpreter: small batches still get split
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compiled kernel for every window, 1 included
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
     qk_scale, window,

@@ -20,7 +20,7 @@ BLOCK_N = 32  # keys per inner step
 TILE_ROWS = 64  # query rows (tokens x padded heads) per program, at least 16 for tl.dot
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compiled kernel for every window, 1 included
 def paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, qlens_ptr, lens_ptr, out_ptr,
     qk_scale, window,
