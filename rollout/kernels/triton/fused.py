@@ -24,6 +24,9 @@ import triton.language as tl
 
 from .launch import launch
 
+# Elements in one half-head tile of the rotary kernel ([heads, D / 2] in float32): 64 heads of D = 128.
+HEAD_TILE = 4096
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
@@ -60,67 +63,69 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _head(x_ptr, norm_ptr, i, mask, half, eps, NORM: tl.constexpr):
-    """The two halves of one head (float32), RMS-normalised with weight `norm_ptr` under NORM."""
+def _rope_heads(x_ptr, norm_ptr, c1, c2, s1, s2, i, cols, mask, half, eps, NORM: tl.constexpr):
+    """The heads whose rows start at `x_ptr` (`[BLOCK_H, 1]` pointers), at columns `i` (`[1, BLOCK]`, valid
+    where `cols`), RMS-normalised row by row with weight `norm_ptr` under NORM, then rotated: returns the
+    two halves x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], in float32. Every product and
+    sum is rounded to the dtype of x, as the torch path does (`_round` inlined: the interpreter pays for
+    each nested call)."""
+    dtype = x_ptr.dtype.element_ty
     x1 = tl.load(x_ptr + i, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + half + i, mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        dtype = x_ptr.dtype.element_ty
-        inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * half) + eps)
-        w1 = tl.load(norm_ptr + i, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(norm_ptr + half + i, mask=mask, other=0.0).to(tl.float32)
-        x1 = _round(w1 * _round(x1 * inv, dtype), dtype)
-        x2 = _round(w2 * _round(x2 * inv, dtype), dtype)
-    return x1, x2
-
-
-@triton.jit
-def _rotate(x1, x2, c1, c2, s1, s2, dtype: tl.constexpr):
-    """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], each product and sum rounded to `dtype`."""
-    y1 = _round(_round(x1 * c1, dtype) - _round(x2 * s1, dtype), dtype)
-    y2 = _round(_round(x2 * c2, dtype) + _round(x1 * s2, dtype), dtype)
-    return y1, y2
-
-
-@triton.jit
-def _store_halves(ptr, y1, y2, i, mask, half):
-    dtype = ptr.dtype.element_ty
-    tl.store(ptr + i, y1.to(dtype), mask=mask)
-    tl.store(ptr + half + i, y2.to(dtype), mask=mask)
+        inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half) + eps)[:, None]
+        w1 = tl.load(norm_ptr + i, mask=cols, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + half + i, mask=cols, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    a1 = (x1 * c1).to(dtype).to(tl.float32)
+    b1 = (x2 * s1).to(dtype).to(tl.float32)
+    a2 = (x2 * c2).to(dtype).to(tl.float32)
+    b2 = (x1 * s2).to(dtype).to(tl.float32)
+    return (a1 - b1).to(dtype).to(tl.float32), (a2 + b2).to(dtype).to(tl.float32)
 
 
 @triton.jit
 def _rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr,
     q_tok, q_head, k_tok, k_head, v_tok, v_head, num_q_heads, num_kv_heads, half, eps,
-    Q_NORM: tl.constexpr, K_NORM: tl.constexpr, BLOCK: tl.constexpr,
+    Q_NORM: tl.constexpr, K_NORM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
 ):  # fmt: skip
-    """Program (t, h): for h < Hq rotates q[t, h] in place; else, with j = h - Hq, writes the
-    rotated k[t, j] and v[t, j] to the caches at slots[t]. BLOCK >= half = D / 2."""
+    """Program t: rotates q[t] in place, BLOCK_HQ heads at a time as a [BLOCK_HQ, BLOCK] tile per half,
+    then writes the rotated k[t] and v[t] to the caches at slots[t], BLOCK_HKV heads at a time (masked
+    past the head count and past half = D / 2 <= BLOCK)."""
     t = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    i = tl.arange(0, BLOCK)
-    mask = i < half
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    table = pos * (2 * half)
-    c1 = tl.load(cos_ptr + table + i, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + table + half + i, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + table + i, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + table + half + i, mask=mask, other=0.0).to(tl.float32)
-    dtype = q_ptr.dtype.element_ty
-    if head < num_q_heads:
-        x_ptr = q_ptr + t * q_tok + head * q_head
-        x1, x2 = _head(x_ptr, q_norm_ptr, i, mask, half, eps, Q_NORM)
-        y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, dtype)
-        _store_halves(x_ptr, y1, y2, i, mask, half)
-    else:
-        j = head - num_q_heads
-        cache = tl.load(slot_ptr + t).to(tl.int64) * (num_kv_heads * 2 * half) + j * (2 * half)
-        x1, x2 = _head(k_ptr + t * k_tok + j * k_head, k_norm_ptr, i, mask, half, eps, K_NORM)
-        y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, dtype)
-        _store_halves(k_cache_ptr + cache, y1, y2, i, mask, half)
-        v1, v2 = _head(v_ptr + t * v_tok + j * v_head, v_ptr, i, mask, half, eps, False)
-        _store_halves(v_cache_ptr + cache, v1, v2, i, mask, half)
+    i = tl.arange(0, BLOCK)[None, :]
+    cols = i < half
+    table = tl.load(pos_ptr + t).to(tl.int64) * (2 * half) + i
+    c1 = tl.load(cos_ptr + table, mask=cols, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + half, mask=cols, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + table, mask=cols, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + half, mask=cols, other=0.0).to(tl.float32)
+    q_dtype = q_ptr.dtype.element_ty
+    for h0 in range(0, num_q_heads, BLOCK_HQ):
+        h = h0 + tl.arange(0, BLOCK_HQ)[:, None]
+        mask = (h < num_q_heads) & cols
+        x = q_ptr + t * q_tok + h * q_head
+        y1, y2 = _rope_heads(x, q_norm_ptr, c1, c2, s1, s2, i, cols, mask, half, eps, Q_NORM)
+        tl.store(x + i, y1.to(q_dtype), mask=mask)
+        tl.store(x + half + i, y2.to(q_dtype), mask=mask)
+    cache_dtype = k_cache_ptr.dtype.element_ty
+    slot = tl.load(slot_ptr + t).to(tl.int64) * (num_kv_heads * 2 * half)
+    for j0 in range(0, num_kv_heads, BLOCK_HKV):
+        j = j0 + tl.arange(0, BLOCK_HKV)[:, None]
+        mask = (j < num_kv_heads) & cols
+        cache = slot + j * (2 * half) + i
+        x = k_ptr + t * k_tok + j * k_head
+        y1, y2 = _rope_heads(x, k_norm_ptr, c1, c2, s1, s2, i, cols, mask, half, eps, K_NORM)
+        tl.store(k_cache_ptr + cache, y1.to(cache_dtype), mask=mask)
+        tl.store(k_cache_ptr + cache + half, y2.to(cache_dtype), mask=mask)
+        v = v_ptr + t * v_tok + j * v_head + i
+        v1 = tl.load(v, mask=mask, other=0.0).to(tl.float32)
+        v2 = tl.load(v + half, mask=mask, other=0.0).to(tl.float32)
+        tl.store(v_cache_ptr + cache, v1.to(cache_dtype), mask=mask)
+        tl.store(v_cache_ptr + cache + half, v2.to(cache_dtype), mask=mask)
 
 
 @triton.jit
@@ -220,12 +225,20 @@ def norm_rope_and_cache_(
     if tokens == 0:
         return
     block = triton.next_power_of_2(dim // 2)
+    block_hq, block_hkv = _head_block(num_q_heads, block), _head_block(num_kv_heads, block)
     args = (q, k, v, positions, cos, sin, k_cache, v_cache, slots)
     args += (q if q_norm is None else q_norm, k if k_norm is None else k_norm)
     args += (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     args += (num_q_heads, num_kv_heads, dim // 2, eps)
-    meta = dict(Q_NORM=q_norm is not None, K_NORM=k_norm is not None, BLOCK=block, num_warps=_warps(block))
-    launch(_rope_cache_kernel, (tokens, num_q_heads + num_kv_heads), *args, **meta, enable_fp_fusion=False)
+    meta = dict(Q_NORM=q_norm is not None, K_NORM=k_norm is not None, BLOCK=block)
+    meta.update(BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, num_warps=_warps(max(block_hq, block_hkv) * block))
+    launch(_rope_cache_kernel, (tokens,), *args, **meta, enable_fp_fusion=False)
+
+
+def _head_block(heads: int, block: int) -> int:
+    """Heads in one [heads, block] tile of the rotary kernel: all of them (rounded up to a power of two),
+    up to `HEAD_TILE` elements; more heads take several tiles in turn."""
+    return min(triton.next_power_of_2(heads), max(1, HEAD_TILE // block))
 
 
 def _check_rope(q, k, v, q_norm, k_norm, positions, cos, sin, k_cache, v_cache, slots) -> None:

@@ -86,10 +86,10 @@ def test_silu_mul(dtype, tokens, width):
     torch.testing.assert_close(out.double(), F.silu(gate.double()) * up.double(), **F64[dtype])
 
 
-def _poisoned_pool(dim: int, dtype: torch.dtype) -> KVPool:
+def _poisoned_pool(dim: int, dtype: torch.dtype, hkv: int = HKV) -> KVPool:
     """A two-layer pool full of NaN, so a write outside the given slots (or layer) shows."""
     pool = KVPool(
-        num_layers=2, num_pages=PAGES, page_size=PAGE_SIZE, num_kv_heads=HKV, head_dim=dim, dtype=dtype, device="cpu"
+        num_layers=2, num_pages=PAGES, page_size=PAGE_SIZE, num_kv_heads=hkv, head_dim=dim, dtype=dtype, device="cpu"
     )
     pool.k.fill_(float("nan"))
     pool.v.fill_(float("nan"))
@@ -100,8 +100,9 @@ class RopeCase:
     """Inputs of one rotary call: q, k, v as views of one fused qkv projection, random distinct
     slots across the pages, positions reaching the table's last row, and a NaN-poisoned pool."""
 
-    def __init__(self, dtype, pool_dtype, tokens, dim, qk_norm):
-        self.qkv = _randn(tokens, (HQ + 2 * HKV) * dim, dtype=dtype, seed=7, scale=2.0)
+    def __init__(self, dtype, pool_dtype, tokens, dim, qk_norm, hq=HQ, hkv=HKV):
+        self.hq, self.hkv = hq, hkv
+        self.qkv = _randn(tokens, (hq + 2 * hkv) * dim, dtype=dtype, seed=7, scale=2.0)
         self.inputs = self.qkv.clone()  # the kernel rotates q in self.qkv
         self.dim = dim
         self.norms = (_randn(dim, dtype=dtype, seed=8), _randn(dim, dtype=dtype, seed=9)) if qk_norm else (None, None)
@@ -110,12 +111,12 @@ class RopeCase:
         self.positions = torch.randint(0, MAX_POS, (tokens,), generator=g)
         self.positions[-1:] = MAX_POS - 1
         self.slots = torch.randperm(PAGES * PAGE_SIZE, generator=g)[:tokens]
-        self.pool = _poisoned_pool(dim, pool_dtype)
+        self.pool = _poisoned_pool(dim, pool_dtype, hkv)
 
     def views(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t, d = qkv.shape[0], self.dim
-        q, k, v = qkv.split([HQ * d, HKV * d, HKV * d], dim=-1)
-        return q.view(t, HQ, d), k.view(t, HKV, d), v.view(t, HKV, d)
+        t, d, hq, hkv = qkv.shape[0], self.dim, self.hq, self.hkv
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
 
     def reference(self) -> tuple[torch.Tensor, KVPool]:
         """q after the torch path, and a poisoned pool written by `KVPool.write`."""
@@ -124,7 +125,7 @@ class RopeCase:
         if q_norm is not None:
             q, k = rms_norm(q, q_norm, EPS), rms_norm(k, k_norm, EPS)
         q, k = self.rotary.apply(q, k, self.positions)
-        pool = _poisoned_pool(self.dim, self.pool.k.dtype)
+        pool = _poisoned_pool(self.dim, self.pool.k.dtype, self.hkv)
         pool.write(1, self.slots, k, v)
         return q, pool
 
@@ -160,7 +161,26 @@ ROPE_CASES = [
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("dtype,pool_dtype,tokens,dim", ROPE_CASES)
 def test_rope_and_cache_(dtype, pool_dtype, tokens, dim, qk_norm):
-    case = RopeCase(dtype, pool_dtype, tokens, dim, qk_norm)
+    _check_rope_case(RopeCase(dtype, pool_dtype, tokens, dim, qk_norm), dtype, qk_norm)
+
+
+# (Hq, Hkv, elements in one half-head tile, of D / 2 = 12 in a block of 16): head counts that are not
+# powers of two in one tile each (8 q rows, 4 k rows), and in tiles of 2 or 1 heads that the kernel
+# takes in turn, the last one partial.
+HEAD_CASES = [(6, 3, None), (6, 3, 32), (5, 1, 32), (3, 2, 16)]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("hq,hkv,head_tile", HEAD_CASES)
+def test_rope_and_cache_head_blocks(hq, hkv, head_tile, qk_norm, monkeypatch):
+    if head_tile is not None:
+        monkeypatch.setattr(fused, "HEAD_TILE", head_tile)
+    case = RopeCase(torch.float16, torch.float32, 5, 24, qk_norm, hq=hq, hkv=hkv)
+    _check_rope_case(case, torch.float16, qk_norm)
+
+
+def _check_rope_case(case, dtype, qk_norm):
+    tokens, dim, hkv = case.qkv.shape[0], case.dim, case.hkv
     q_ref, pool_ref = case.reference()
     q, k, v = case.views(case.qkv)
     kv_before = torch.cat((k, v), dim=1).clone()
@@ -174,8 +194,8 @@ def test_rope_and_cache_(dtype, pool_dtype, tokens, dim, qk_norm):
     _expect_launches(names, "_rope_cache_kernel", tokens)
     assert torch.equal(torch.cat((k, v), dim=1), kv_before)  # k and v are read only
     assert torch.isnan(pool.k[0]).all() and torch.isnan(pool.v[0]).all()  # another layer
-    written = pool.k[1].view(-1, HKV, dim)[case.slots]
-    assert not written.isnan().any() and not pool.v[1].view(-1, HKV, dim)[case.slots].isnan().any()
+    written = pool.k[1].view(-1, hkv, dim)[case.slots]
+    assert not written.isnan().any() and not pool.v[1].view(-1, hkv, dim)[case.slots].isnan().any()
     _assert_rope_matches(case, q, q_ref, pool, pool_ref, dtype, qk_norm)
 
 
@@ -186,7 +206,7 @@ def _assert_rope_matches(case, q, q_ref, pool, pool_ref, dtype, qk_norm):
         torch.testing.assert_close(got, want, equal_nan=True, **tol)
     q64, k64 = case.reference64()
     torch.testing.assert_close(q.double(), q64, **F64[dtype])
-    k_pool = pool.k[1].view(-1, HKV, case.dim)[case.slots].double()
+    k_pool = pool.k[1].view(-1, case.hkv, case.dim)[case.slots].double()
     coarser = torch.float16 if torch.float16 in (dtype, pool.k.dtype) else torch.float32
     torch.testing.assert_close(k_pool, k64, **F64[coarser])
 
