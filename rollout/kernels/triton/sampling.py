@@ -346,6 +346,7 @@ def sample(
     unspecified, and the caller samples that row with the reference.
 
     One Triton launch when no row filters; `torch.topk` and that launch when one does.
+    A row that filters in a batch whose `p.flags` say none is flagged inexact.
 
     Where an exact row may still differ from the reference: the running sums
     add float32 weights exp(s - max) in float64, in vocabulary order, and
@@ -363,6 +364,8 @@ def sample(
     filters = p.flags.any_filter and not p.flags.all_greedy
     n_cand = min(vocab, candidates)
     if filters:
+        # Over the logits, not the scaled ones: x / T never reverses an order, so every token
+        # scaled above the candidates' smallest value is among them, which is all the kernel needs.
         cand_logits, cand_ids = torch.topk(logits, n_cand, dim=-1, sorted=False)
     else:
         cand_logits, cand_ids = logits, out_tokens  # not read
