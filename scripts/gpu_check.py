@@ -2,8 +2,13 @@
 CUDA graphs against the eager path, a float32 model's bf16 KV pool against
 transformers float32, `bench-25m` against transformers `generate()`, and a
 Qwen2.5-0.5B-shaped bf16 model at batch 64 and 256 against transformers,
-against the floor of a decode step and against itself without decode graphs.
-Prints a table and writes JSON.
+against the floor of a decode step and against itself without decode graphs;
+then the kernels (`scripts/gpu_kernels.py`): paged decode attention's
+bandwidth, per decode step GPU and host time and launches with the Triton
+kernels and with torch's ops, and the nano-vllm workload on Qwen2.5-0.5B,
+Qwen2.5-1.5B and (time allowing) Llama-3-8B shapes. Prints a table and writes
+JSON. Each section runs under a time limit; one that fails or runs out
+records why, and the next runs.
 
     python -m scripts.gpu_check [--out runs/gpu_check.json]
     python -m scripts.gpu_check --smoke   # tiny sizes on the CPU: checks the script, not a GPU
@@ -17,29 +22,28 @@ GEMM rate in the model's dtype; the floor is the larger of the two.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import statistics
 import tempfile
 import time
-import timeit
 import traceback
 from pathlib import Path
 
 import torch
 
 from rollout import Engine, SamplingParams
-from scripts import bench_real
+from scripts import bench_real, gpu_kernels
 from scripts.bench import (  # the bench-25m workload and its timers
     BENCH_25M,
     STOP_IDS,
-    dense_params,
-    flops_per_token,
     make_checkpoint,
-    sync,
     time_engine,
     time_hf,
     workload_prompts,
     write_json,
 )
+from scripts.gpu_kernels import copy_bandwidth, decode_floor, square_gemm_rate
 from scripts.presets import preset
 
 QWEN25_05B = preset("qwen2.5-0.5b")
@@ -134,40 +138,6 @@ def bench_25m(root: Path, device: torch.device, config: dict, prompts: int, n: i
     }
 
 
-def best_seconds(fn, device: torch.device, repeats: int = 5) -> float:
-    """Seconds of the fastest of `repeats` calls of `fn`, the device synchronized
-    before and after each (timeit: garbage collection off while timing)."""
-    return min(timeit.repeat(lambda: (fn(), sync(device)), setup=lambda: sync(device), repeat=repeats, number=1))
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes read plus written per second by a device-to-device copy (best of 5)."""
-    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / best_seconds(lambda: dst.copy_(src), device)
-
-
-def square_gemm_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
-    """FLOP/s of a size x size matrix product in `dtype` on `device` (best of 5, after 3 untimed)."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    for _ in range(3):
-        a @ b
-    return 2 * size**3 / best_seconds(lambda: a @ b, device)
-
-
-def decode_floor(config: dict, batch: int, context: float, bandwidth: float, flops_rate: float) -> dict:
-    """Seconds of one bf16 decode step of `batch` rows at mean `context` tokens:
-    memory floor (every multiplied weight and the rows' KV read once) and
-    compute floor. Embedding rows are looked up, not read whole, so they are left out."""
-    kv = config["num_key_value_heads"] * (config["hidden_size"] // config["num_attention_heads"])
-    weight_bytes = 2 * dense_params(config)
-    kv_bytes = batch * context * config["num_hidden_layers"] * 2 * kv * 2
-    memory = (weight_bytes + kv_bytes) / bandwidth
-    compute = batch * flops_per_token(context, config) / flops_rate
-    return {"memory_s": memory, "compute_s": compute, "floor_s": max(memory, compute)}
-
-
 def qwen_05b(root: Path, device: torch.device, config: dict, batches: tuple[int, ...], max_tokens: int) -> dict:
     path = root / "qwen05b"
     hf = make_checkpoint(path, config, torch.bfloat16)
@@ -210,29 +180,94 @@ def timed_decode(engine: Engine, prompts, params, batch: int) -> tuple[int, floa
     return tokens, seconds, statistics.median(steps)
 
 
+class SectionTimeout(Exception):
+    """A section ran past its time limit."""
+
+
+def guarded(section, limit_s: int):
+    """`section()`, interrupted by `SectionTimeout` after `limit_s` seconds (SIGALRM, main thread)."""
+
+    def expire(signum, frame):
+        raise SectionTimeout(f"ran past its limit of {limit_s} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(limit_s)
+    try:
+        return section()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def sections(root: Path, device: torch.device, smoke: bool) -> dict:
+    """name -> (section, time limit in seconds, start only before this many seconds of the run)."""
+    # The smoke run takes the tiny model everywhere, fewer prompts, smaller batches and shorter samples;
+    # the kernels' sections run float32 there (Triton's interpreter does not compute bfloat16 faithfully).
+    parity_model, bench_model, qwen_model = (SMOKE, SMOKE, SMOKE) if smoke else (PARITY, BENCH_25M, QWEN25_05B)
+    prompts, batches, max_tokens = (2, (16, 32), 16) if smoke else (16, (64, 256), 128)
+    step_batches, step_tokens, dtype = ((8, 16), 3, "float32") if smoke else ((64, 128, 256), 128, "bfloat16")
+    contexts, attention_batch = ((16, 40), 2) if smoke else ((128, 1024, 4096), 64)
+    nano = dict(seqs=3, max_len=12) if smoke else dict(seqs=256, max_len=1024)
+    ceilings: dict = {}
+    bf16 = getattr(torch, dtype)
+
+    def measure_ceilings() -> dict:
+        cuda = device.type == "cuda"
+        ceilings["bandwidth"] = copy_bandwidth(device, 2**30 if cuda else 2**24)
+        ceilings["rate"] = square_gemm_rate(device, torch.bfloat16, 8192 if cuda else 256)
+        return {"copy_bandwidth_gb_s": ceilings["bandwidth"] / 1e9, "bf16_gemm_tflop_s": ceilings["rate"] / 1e12}
+
+    def steps() -> dict:
+        path = root / "steps"
+        make_checkpoint(path, qwen_model, bf16)
+        return gpu_kernels.decode_steps(path, device, qwen_model, step_batches, step_tokens, ceilings, dtype)
+
+    def nano_run(name: str, kernels=gpu_kernels.KERNELS):
+        config = SMOKE if smoke else preset(name)
+        return lambda: gpu_kernels.nano_vllm_model(root, device, config, name, dtype=dtype, kernels=kernels, **nano)
+
+    attention = lambda: gpu_kernels.attention_bandwidth(  # noqa: E731
+        device, qwen_model, ceilings["bandwidth"], attention_batch, contexts, bf16
+    )
+    return {
+        "parity": (lambda: parity(root, device, parity_model), 120, None),
+        "kv_bf16": (lambda: kv_bf16(root, device, parity_model), 90, None),
+        "bench_25m": (
+            lambda: bench_25m(root, device, bench_model, prompts=prompts, n=8, max_tokens=max_tokens),
+            90,
+            None,
+        ),
+        "qwen2.5_0.5b": (lambda: qwen_05b(root, device, qwen_model, batches=batches, max_tokens=max_tokens), 150, None),
+        "ceilings": (measure_ceilings, 30, None),
+        "attention": (attention, 60, None),
+        "decode_steps": (steps, 120, None),
+        "nano_vllm_qwen2.5-0.5b": (nano_run("qwen2.5-0.5b"), 120, None),
+        "nano_vllm_qwen2.5-1.5b": (nano_run("qwen2.5-1.5b", ("triton",)), 120, 420),
+        "nano_vllm_llama-3-8b": (nano_run("llama-3-8b", ("triton",)), 150, 330),
+    }
+
+
 def run(args) -> dict:
-    """Every section in turn; a section that raises records its traceback and
-    the others still run. The JSON is rewritten after each section, so a run
-    cut short keeps what it measured."""
+    """Every section in turn, each under its time limit; a section that raises
+    or runs out records why and the others still run; a late section is skipped
+    rather than started when too little of the run's time is left. The JSON is
+    rewritten after each section, so a run cut short keeps what it measured."""
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --smoke to check the script on the CPU")
+    if smoke:  # the Triton kernels' sections run under the interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     root = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    # The smoke run takes the tiny model everywhere, fewer prompts, smaller batches and shorter samples.
-    parity_model, bench_model, qwen_model = (SMOKE, SMOKE, SMOKE) if smoke else (PARITY, BENCH_25M, QWEN25_05B)
-    prompts, batches, max_tokens = (2, (16, 32), 16) if smoke else (16, (64, 256), 128)
-    sections = {
-        "parity": lambda: parity(root, device, parity_model),
-        "kv_bf16": lambda: kv_bf16(root, device, parity_model),
-        "bench_25m": lambda: bench_25m(root, device, bench_model, prompts=prompts, n=8, max_tokens=max_tokens),
-        "qwen2.5_0.5b": lambda: qwen_05b(root, device, qwen_model, batches=batches, max_tokens=max_tokens),
-    }
     start = time.perf_counter()
-    for name, section in sections.items():
+    for name, (section, limit_s, start_before_s) in sections(root, device, smoke).items():
+        elapsed = time.perf_counter() - start
+        if start_before_s is not None and elapsed > start_before_s and not smoke:
+            results[name] = {"skipped": f"{elapsed:.0f} s into the run, past {start_before_s} s"}
+            continue
         try:
-            results[name] = section()
+            results[name] = guarded(section, limit_s)
         except Exception:  # recorded, and the next section runs
             traceback.print_exc()
             results[name] = {"error": traceback.format_exc()}
@@ -289,6 +324,36 @@ def print_table(r: dict) -> None:
         print(f"copy bandwidth {q['copy_bandwidth_gb_s']:.0f} GB/s, bf16 GEMM {q['bf16_gemm_tflop_s']:.1f} TFLOP/s")
 
 
+def print_kernels(r: dict) -> None:
+    """The kernels' sections: attention bandwidth, decode steps, the nano-vllm workload."""
+    for name in ("ceilings", "attention", "decode_steps"):
+        if "error" in r.get(name, {}):
+            print(f"{name} FAILED: {r[name]['error'].strip().splitlines()[-1]}")
+    if a := r.get("attention"):
+        if "error" not in a:
+            for context, row in a.items():
+                print(
+                    f"paged decode attention, {context}: triton {row['triton_gb_s']:.0f} GB/s "
+                    f"({row['triton_over_copy_bandwidth']:.2f} of copy), torch gather+SDPA {row['torch_gb_s']:.0f} GB/s"
+                )
+    if (d := r.get("decode_steps")) and "error" not in d:
+        print(f"{'decode step':24}{'tok/s':>10}{'step ms':>9}{'GPU ms':>9}{'x floor':>9}{'GPU x fl':>9}{'launches':>9}")
+        for name, row in d.items():
+            gpu = row["gpu_step_s"]
+            print(
+                f"{name:24}{row['tokens_per_s']:10.0f}{row['step_s'] * 1e3:9.2f}"
+                f"{(gpu or 0) * 1e3:9.2f}{row['step_over_floor']:9.2f}{(row['gpu_over_floor'] or 0):9.2f}"
+                f"{row['launches_per_step']:9d}"
+            )
+    for name, section in r.items():
+        if name.startswith("nano_vllm"):
+            if "error" in section or "skipped" in section:
+                print(f"{name}: {section.get('skipped') or section['error'].strip().splitlines()[-1]}")
+                continue
+            rates = ", ".join(f"{k} {v['tokens_per_s']:.0f} tok/s ({v['seconds']:.1f} s)" for k, v in section.items())
+            print(f"{name}: {rates}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_check.json"))
@@ -296,6 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     results = run(args)
     print_table(results)
+    print_kernels(results)
     return results
 
 

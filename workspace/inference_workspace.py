@@ -50,6 +50,7 @@ _SPEC: dict[str, tuple[torch.dtype, str]] = {
     "mode": (torch.int64, "rows"),  # logprobs mode code, see rollout.engine.sampler
     "out_tokens": (torch.int64, "rows"),
     "out_logprobs": (torch.float32, "rows"),
+    "out_covered": (torch.bool, "rows"),  # the device sampler's candidates covered the row's kept set
 }
 
 BUFFER_NAMES = tuple(_SPEC)

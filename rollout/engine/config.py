@@ -14,6 +14,7 @@ from workspace import KVPool
 
 from ..checks import check_int
 from ..kernels.choice import REQUESTS as KERNELS
+from ..kernels.triton.launch import unavailable_reason
 from ..model.config import ModelConfig
 from .decode_graphs import MODES, resolve_mode
 
@@ -38,7 +39,7 @@ class EngineConfig:
     max_step_tokens: int  # tokens computed per step (prefill chunk budget)
     seed: int  # seeds the per-request seeds of unseeded requests
     decode_graphs: str  # resolved: "off", "eager" or "cuda" (see rollout.engine.decode_graphs)
-    kernels: str  # "compiled" (rollout.kernels) or "torch" (torch ops); "auto" until the Engine loads the kernels
+    kernels: str  # "compiled", "triton" (rollout.kernels) or "torch" (torch ops); "auto" until the Engine loads them
     max_request_tokens: int | None = None  # bound on one call's prompts x n x (prompt + max_tokens); None: none
 
     @property
@@ -110,16 +111,19 @@ class EngineConfig:
 
 
 def check_kernels(kernels, dev: torch.device) -> str:
-    """The kernels request, checked for `dev` without building anything: "auto"
-    is "torch" on CUDA and stays "auto" on the CPU; "compiled" needs the CPU.
-    `rollout.kernels.load_kernels` then fulfils a CPU request."""
+    """The kernels request, checked for `dev` without building anything. "auto"
+    stays "auto" (`rollout.kernels.load_kernels` decides: the compiled kernels on
+    the CPU, the Triton ones on CUDA); "compiled" needs the CPU; "triton" needs
+    CUDA, or the CPU under Triton's interpreter."""
     if not isinstance(kernels, str):
         raise TypeError(f"kernels must be a str, one of {KERNELS}, got {type(kernels).__name__}")
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     if kernels == "compiled" and dev.type != "cpu":
         raise ValueError(f"kernels='compiled' needs device 'cpu', got {dev}")
-    return "torch" if dev.type != "cpu" else kernels
+    if kernels == "triton" and (reason := unavailable_reason(dev)) is not None:
+        raise ValueError(f"kernels='triton' cannot run here: {reason}")
+    return kernels
 
 
 def _device(device) -> torch.device:

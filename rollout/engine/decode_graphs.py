@@ -87,7 +87,10 @@ class DecodeGraphs:
     """Picks a step's graph, pads the workspace to it, and replays (or runs) it.
 
     `forward(key)` runs one padded decode step over the first `key.rows`
-    rows of the workspace, writing `out_tokens` and `out_logprobs`.
+    rows of the workspace, writing `out_tokens` and `out_logprobs`. With
+    `fixed_width`, every graph reads the block tables at their full width
+    (the attention kernel stops at each row's context length), so the table
+    width is not part of a graph's key.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class DecodeGraphs:
         scratch_page: int,
         page_size: int,
         max_graphs: int = 128,
+        fixed_width: bool = False,
     ) -> None:
         if mode not in ("eager", "cuda"):
             raise ValueError(f"DecodeGraphs runs in mode 'eager' or 'cuda', got {mode!r}")
@@ -108,6 +112,8 @@ class DecodeGraphs:
         self.scratch_slot = scratch_page * page_size
         self.row_buckets = buckets(workspace.shape.max_rows)
         self.page_buckets = buckets(workspace.shape.max_pages_per_seq)
+        if fixed_width:  # attention reads tables of any width (stopping at each row's length): one bucket
+            self.page_buckets = self.page_buckets[-1:]
         self.max_graphs = max_graphs
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._failed: dict[GraphKey, str] = {}  # keys whose capture failed: served eagerly, with why

@@ -63,9 +63,10 @@ class Engine(WeightsAPI):
     on a CUDA device, else "off"; "cuda": decode steps replayed from CUDA
     graphs; "eager": the same padded steps without capture; see
     `rollout.engine.decode_graphs`), `kernels` ("auto": on the CPU the compiled
-    kernels of `rollout.kernels` when they build, else "torch"; "compiled":
-    those kernels or an error; "torch": torch ops only, decode attention over
-    gathered pages with SDPA), `kv_cache_dtype` (None: the model's; "bfloat16"
+    kernels of `rollout.kernels` when they build, on CUDA its Triton kernels,
+    else "torch"; "compiled" or "triton": those kernels or an error, "triton"
+    on the CPU only under `TRITON_INTERPRET=1`; "torch": torch ops only,
+    attention over gathered pages with SDPA), `kv_cache_dtype` (None: the model's; "bfloat16"
     under float32 halves the pool, at a logprob cost), `matmul_dtype` (None:
     the model's; "bfloat16" under float32: the layers' projections multiply
     in bfloat16 with float32 accumulation, at a logprob cost), `max_request_tokens`
@@ -111,9 +112,9 @@ class Engine(WeightsAPI):
             max_request_tokens=max_request_tokens,
         )
         self.codec = TextCodec.from_dir(model_path, self.model_config.eos_token_ids)
-        self._cpu_ops = load_kernels(cfg.kernels)  # compiled at first use; None: torch ops only
-        self.config = cfg = dataclasses.replace(cfg, kernels="torch" if self._cpu_ops is None else "compiled")
-        self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len, self._cpu_ops, cfg.matmul_dtype)
+        self._kernels = load_kernels(cfg.kernels, cfg.device)  # compiled at first use; None: torch ops only
+        self.config = cfg = dataclasses.replace(cfg, kernels="torch" if self._kernels is None else self._kernels.name)
+        self.model = Model(self.model_config, cfg.dtype, cfg.device, cfg.max_seq_len, self._kernels, cfg.matmul_dtype)
         load_checkpoint(self.model, model_path)
         self.model.pack_weights()
         self._build_runtime(debug_decode_cache)
@@ -153,8 +154,7 @@ class Engine(WeightsAPI):
             self.decode_cache,
             cfg.decode_graphs,
             scratch_page=cfg.num_pages,
-            decode_kernel=self._cpu_ops.paged_decode if self._cpu_ops is not None else None,
-            sample_kernel=self._cpu_ops.sample_rows if self._cpu_ops is not None else None,
+            kernels=self._kernels,
         )
         self.scheduler = Scheduler(
             KVManager(PageAllocator(cfg.num_pages, cfg.page_size)),

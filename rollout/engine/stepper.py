@@ -11,19 +11,27 @@ pure decode's signature for the next step).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from workspace import DecodeCache, DecodeRows, InferenceWorkspace, KVPool, TaskSignature
 
+from ..kernels.layer_ops import LayerOps
 from ..model.attention import AttentionMetadata, PrefillSpan
 from ..model.decoder import Model
 from .decode_graphs import DecodeGraphs, GraphKey
 from .plan import ScheduledChunk, StepPlan, StepResult, TopLogprobs
 from .sampler import MODE_CODES, SAMPLING_FIELDS, SamplerFlags, SamplingBatch, sample, top_logprobs
 from .sequence import Sequence
+
+
+class SampledRows(NamedTuple):
+    """The logits a step sampled from and their sampling rows (workspace views)."""
+
+    logits: torch.Tensor  # [rows, vocab] float32
+    batch: SamplingBatch
 
 
 @dataclass(slots=True)
@@ -42,9 +50,10 @@ class PreparedStep:
 class Stepper:
     """`decode_graphs` ("off", "eager" or "cuda", see `rollout.engine.decode_graphs`)
     serves pure-decode steps from graphs; padding rows then write to
-    `scratch_page`, a KV page no sequence owns. `decode_kernel` (see
-    `rollout.kernels`) attends decodes in place instead of gathering pages;
-    `sample_kernel` samples a batch in one op."""
+    `scratch_page`, a KV page no sequence owns. `kernels` (see
+    `rollout.kernels.layer_ops`; None: torch ops) gives the attention kernels
+    that read pages in place instead of gathering them, and a sampler that
+    samples a batch in one op (CPU) or without sorting the vocabulary (device)."""
 
     def __init__(
         self,
@@ -54,23 +63,29 @@ class Stepper:
         decode_cache: DecodeCache,
         decode_graphs: str = "off",
         scratch_page: int | None = None,
-        decode_kernel: Callable[..., None] | None = None,
-        sample_kernel: Callable[..., None] | None = None,
+        kernels: LayerOps | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.ws = workspace
         self.cache = decode_cache
         self.page_size = kv.page_size
-        self.decode_kernel = decode_kernel
-        self.sample_kernel = sample_kernel
+        self.decode_kernel = kernels.paged_decode if kernels is not None else None
+        self.prefill_kernel = kernels.paged_prefill if kernels is not None else None
+        self.sample_kernel = kernels.sample_rows if kernels is not None else None
+        self.device_sample = kernels.device_sample if kernels is not None else None
+        self._sampled: SampledRows | None = None  # the last forward's logits, for `_resample_uncovered`
+        self._graph_sampled: dict[GraphKey, SampledRows] = {}  # the same, per decode graph (its static tensors)
         self._flags = SamplerFlags(False, False, False)  # of the batch whose inputs the workspace holds
         self._top: list[int] | None = None  # its rows' top_logprobs counts, when some row asks
         self.graphs = None
         if decode_graphs != "off":
             if scratch_page is None:
                 raise ValueError("decode graphs need a scratch KV page for their padding rows")
-            self.graphs = DecodeGraphs(decode_graphs, workspace, self._padded_decode, scratch_page, kv.page_size)
+            fixed_width = kernels is not None and kernels.tables_in_place  # one table width serves every step
+            self.graphs = DecodeGraphs(
+                decode_graphs, workspace, self._padded_decode, scratch_page, kv.page_size, fixed_width=fixed_width
+            )
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
@@ -115,6 +130,7 @@ class Stepper:
         the top logprobs of the rows that ask for them are returned."""
         if prepared.graph is not None:
             self.graphs.run(prepared.num_rows, prepared.graph)
+            self._sampled = self._graph_sampled.get(prepared.graph)
             return None
         if self.graphs is not None:
             self.graphs.invalidate()  # this step's uploads may have overwritten the padding rows
@@ -124,6 +140,8 @@ class Stepper:
     def _finish(self, plan: StepPlan, prepared: PreparedStep, top: TopLogprobs | None) -> StepResult:
         """Read the sampled rows back; a pure decode's signature lets the next step reuse its inputs."""
         n = prepared.num_rows
+        if self.device_sample is not None and prepared.flags.any_filter:
+            self._resample_uncovered(n)
         result = StepResult(
             self.ws.view("out_tokens", n).tolist(), self.ws.view("out_logprobs", n).tolist(), plan.version, top
         )
@@ -162,7 +180,12 @@ class Stepper:
         if num_logits != num_rows:
             logits = logits.index_select(0, ws.view("sample_rows", num_rows))
         batch = self._sampling_batch(num_rows, flags)
-        sample(logits, batch, ws.view("out_tokens", num_rows), ws.view("out_logprobs", num_rows), self.sample_kernel)
+        tokens, logprobs = ws.view("out_tokens", num_rows), ws.view("out_logprobs", num_rows)
+        if self.device_sample is not None:
+            self.device_sample(logits, batch, tokens, logprobs, ws.view("out_covered", num_rows))
+            self._sampled = SampledRows(logits, batch)
+        else:
+            sample(logits, batch, tokens, logprobs, self.sample_kernel)
         if top is None:
             return None
         rows = [r for r, k in enumerate(top) if k]
@@ -184,8 +207,25 @@ class Stepper:
             decode_block_tables=self.ws.buffer("block_tables")[:n, : key.pages],
             decode_context_lens=self.ws.view("context_lens", n),
             decode_kernel=self.decode_kernel,
+            prefill_kernel=self.prefill_kernel,
         )
         self._forward(n, meta, n, n, key.flags)
+        if self._sampled is not None:  # under capture: the graph's own tensors, which each replay refills
+            self._graph_sampled[key] = self._sampled
+
+    def _resample_uncovered(self, n: int) -> None:
+        """Rows whose kept set the device sampler's candidates may not cover are
+        sampled again by the reference sampler (a full sort), from the same logits
+        and uniforms; the other rows keep the device sampler's tokens."""
+        uncovered = (~self.ws.view("out_covered", n)).nonzero().squeeze(1)
+        if uncovered.numel() == 0:
+            return
+        logits, batch = self._sampled.logits, self._sampled.batch
+        tokens, logprobs = self.ws.view("out_tokens", n), self.ws.view("out_logprobs", n)
+        sub_tokens, sub_logprobs = tokens[uncovered], logprobs[uncovered]
+        sample(logits.index_select(0, uncovered), batch.rows(uncovered), sub_tokens, sub_logprobs)
+        tokens.index_copy_(0, uncovered, sub_tokens)
+        logprobs.index_copy_(0, uncovered, sub_logprobs)
 
     # -- host-built inputs ---------------------------------------------------------------
     def _decode_rows(self, chunks: list[ScheduledChunk]) -> DecodeRows:
@@ -251,6 +291,7 @@ class Stepper:
             decode_block_tables=self.ws.upload_block_tables(decode_tables, width) if num_decodes else None,
             decode_context_lens=self.ws.view("context_lens", num_decodes) if num_decodes else None,
             decode_kernel=self.decode_kernel,
+            prefill_kernel=self.prefill_kernel,
         )
 
     def _sampling_batch(self, n: int, flags: SamplerFlags) -> SamplingBatch:

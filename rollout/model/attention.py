@@ -3,9 +3,11 @@
 A step's tokens are laid out prefill chunks first, then one token per
 decoding sequence. Prefill chunks attend per chunk (a few per step, long).
 Decodes attend as one batch: through `decode_kernel` when the step has one
-(the compiled CPU kernel, `rollout.kernels`, reads each row's pages in
-place), else over pages gathered into a padded copy and SDPA. Masks are built
-once per step and window and shared by every layer.
+(the compiled CPU kernel or the Triton one, `rollout.kernels`, reads each
+row's pages in place), else over pages gathered into a padded copy and SDPA.
+With `prefill_kernel` (Triton) all chunks attend to their pages in place in
+one launch; without, each gathers its pages and runs SDPA. Masks and the
+chunks' device tables are built once per step and shared by every layer.
 """
 
 from __future__ import annotations
@@ -40,7 +42,14 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, P] pages of each decoding sequence
     decode_context_lens: torch.Tensor | None  # [num_decodes] tokens in context incl. the new one
     decode_kernel: Callable[..., None] | None = None  # paged decode attention in place (rollout.kernels)
+    prefill_kernel: Callable[..., None] | None = None  # every chunk's attention in place, one launch
     _masks: dict = field(default_factory=dict)  # (kind, index, window) -> bool mask, built lazily
+
+    def prefill_batch(self) -> PrefillBatch:
+        """The chunks as device tensors for `prefill_kernel`, built on first use."""
+        if "batch" not in self._masks:
+            self._masks["batch"] = PrefillBatch.of(self.prefills)
+        return self._masks["batch"]
 
     def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
         """Bool `[length, context_len]` mask of chunk i; None when plain causal from 0 applies."""
@@ -72,6 +81,27 @@ class AttentionMetadata:
         return self._masks[key]
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillBatch:
+    """A step's prefill chunks for one kernel launch: chunk c's queries are rows
+    `[query_starts[c], query_starts[c] + query_lens[c])`, at the last positions of
+    its `context_lens[c]` tokens, whose pages are `block_tables[c]`."""
+
+    query_starts: torch.Tensor  # [C] int64
+    query_lens: torch.Tensor  # [C] int64
+    context_lens: torch.Tensor  # [C] int64
+    block_tables: torch.Tensor  # [C, max pages] int64, rows zero-padded past their pages
+    max_query_len: int  # the longest chunk, which sizes the launch grid
+
+    @classmethod
+    def of(cls, spans: list[PrefillSpan]) -> PrefillBatch:
+        device = spans[0].block_table.device
+        tables = torch.nn.utils.rnn.pad_sequence([s.block_table for s in spans], batch_first=True)
+        counts = torch.tensor([(s.token_start, s.length, s.context_len) for s in spans], dtype=torch.int64)
+        starts, lens, context = counts.t().contiguous().to(device)  # each row contiguous, as the kernel reads it
+        return cls(starts, lens, context, tables, max(s.length for s in spans))
+
+
 def paged_attention(
     q: torch.Tensor,
     layer: int,
@@ -85,7 +115,12 @@ def paged_attention(
     The step's own keys and values must already be written to `kv`.
     """
     out = torch.empty_like(q)
-    for i, span in enumerate(meta.prefills):
+    if meta.prefills and meta.prefill_kernel is not None:
+        b = meta.prefill_batch()
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        args = (b.block_tables, b.query_starts, b.query_lens, b.context_lens)
+        meta.prefill_kernel(q, k_cache, v_cache, *args, out, scale, window or 0, b.max_query_len)
+    for i, span in enumerate(meta.prefills if meta.prefill_kernel is None else ()):
         rows = slice(span.token_start, span.token_start + span.length)
         out[rows] = _prefill(q[rows], layer, kv, span, meta.prefill_mask(i, window), scale)
     if meta.num_decodes:

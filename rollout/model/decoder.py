@@ -54,13 +54,15 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     """Decoder weights plus the forward pass of one flattened step.
 
-    With `cpu_ops` (the compiled `rollout.kernels`) and float32 weights,
-    RMSNorm (fused with the residual add), rotary embedding with the KV write,
-    and SiLU-times-up each run as one op, and projections run on oneDNN where
-    torch has it (`pick_linear`, named by `self.gemm`); a pure-decode step
-    then runs all its layers in one op (`decode_layers`), the same kernels
-    without the interpreter between them. Other dtypes keep the torch ops,
-    whose bf16/fp16 rounding steps the reference shares.
+    With `kernels` (`rollout.kernels.layer_ops`) whose elementwise ops apply to
+    the weights' dtype, RMSNorm (fused with the residual add), the q/k norms and
+    rotary embedding with the KV write, and SiLU-times-up each run as one op.
+    The compiled CPU kernels apply to float32 weights; projections then run on
+    oneDNN where torch has it (`pick_linear`, named by `self.gemm`), and a
+    pure-decode step runs all its layers in one op (`decode_layers`), the same
+    kernels without the interpreter between them. The Triton kernels apply to
+    every dtype and keep torch's GEMMs. Otherwise the torch ops run, whose
+    bf16/fp16 rounding steps the reference shares.
 
     `matmul_dtype` bfloat16 under float32 weights: the layers' projections
     (qkv, o, gate/up, down) multiply bfloat16 copies of their weights (and
@@ -74,15 +76,16 @@ class Model(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int, cpu_ops=None, matmul_dtype=None
+        self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int, kernels=None, matmul_dtype=None
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self._ops = cpu_ops if dtype == torch.float32 and torch.device(device).type == "cpu" else None
+        self._ops = kernels if kernels is not None and kernels.fuses(dtype, device) else None
+        self._cpu = self._ops.lib if self._ops is not None else None  # the compiled CPU library, for the GEMMs
         self._matmul_dtype = dtype if matmul_dtype is None else matmul_dtype
         self._narrow = self._matmul_dtype != dtype  # bfloat16 projections under float32 weights
         self.gemm, self._linear = "torch", F.linear
-        if self._ops is not None:
+        if self._cpu is not None:
             self.gemm, self._linear = pick_linear(cfg.hidden_size)
         self.embed = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
@@ -104,7 +107,7 @@ class Model(nn.Module):
         self.packed = self._gemm_copies(pack=self.gemm == "onednn")
         # Pure-decode steps run all layers in one op (`decode_layers`) when every
         # kernel it calls applies; q/k norms (qwen3) keep the Python loop.
-        self._one_op = self._ops is not None and self.gemm == "onednn" and not cfg.qk_norm
+        self._one_op = self._cpu is not None and self.gemm == "onednn" and not cfg.qk_norm
         self._one_op &= self._narrow_onednn or not self._narrow
         self._biases = [b for layer in self.layers for b in (layer.qkv_bias, layer.o_bias)]
         self._norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
@@ -152,18 +155,18 @@ class Model(nn.Module):
     def _project(self, x: torch.Tensor, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None):
         if self._narrow and name != self._head[0]:  # bfloat16 in, float32 accumulation, bfloat16 out
             if self._skinny(x.shape[0]):  # rounds the plain float32 weight as it reads it
-                return self._ops.skinny_linear_bf16(x, weight, bias)
+                return self._cpu.skinny_linear_bf16(x, weight, bias)
             dt, linear = self._matmul_dtype, onednn_linear if self._narrow_onednn else F.linear
             bias = None if bias is None else bias.to(dt)
             return linear(x.to(dt), self._weight(name, weight), bias).to(x.dtype)
         if self._skinny(x.shape[0]):
-            return self._ops.skinny_linear(x, weight, bias)
+            return self._cpu.skinny_linear(x, weight, bias)
         return self._linear(x, self._weight(name, weight), bias)
 
     def _skinny(self, rows: int) -> bool:
         """Whether a step of `rows` rows projects with `skinny_linear` (`skinny_linear_bf16` for
         bfloat16 projections), on the plain float32 weights."""
-        return self._ops is not None and 0 < rows <= SKINNY_MAX_ROWS  # 0: a step that samples nothing
+        return self._cpu is not None and 0 < rows <= SKINNY_MAX_ROWS  # 0: a step that samples nothing
 
     @torch.inference_mode()
     def forward(
@@ -215,7 +218,7 @@ class Model(nn.Module):
             param if skinny else self._weight(name, param) for layer in self._projections for name, param in layer
         ]
         cfg, rotary = self.cfg, self.rotary
-        self._ops.decode_layers(
+        self._cpu.decode_layers(
             *(h, x, weights, self._biases, self._norms, cfg.rms_norm_eps, positions, rotary.cos, rotary.sin),
             *(kv.k, kv.v, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens),
             *(self._windows, self.scale, cfg.num_heads, skinny, self._narrow),
@@ -238,13 +241,18 @@ class Model(nn.Module):
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        if self._ops is not None:  # rotates q in place, writes rotated k and v to the pool
-            rotary = self.rotary
-            self._ops.rope_and_cache_(q, k, v, positions, rotary.cos, rotary.sin, kv.k[i], kv.v[i], meta.slot_mapping)
+        if self._ops is not None:  # q/k norms, rotary, and the write of k and v to the pool
+            rotary, eps, q_norm, k_norm = self.rotary, cfg.rms_norm_eps, layer.q_norm, layer.k_norm
+            if q_norm is not None and not self._ops.fuses_qk_norm:
+                q, k, q_norm, k_norm = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps), None, None
+            q = self._ops.norm_rope_and_cache_(
+                *(q, k, v, q_norm, k_norm, eps, positions, rotary.cos, rotary.sin),
+                *(kv.k[i], kv.v[i], meta.slot_mapping),
+            )
         else:
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             q, k = self.rotary.apply(q, k, positions)
             kv.write(i, meta.slot_mapping, k, v)
         o = paged_attention(q, i, kv, meta, self.scale, cfg.sliding_windows[i])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from scripts import gpu_check
+from scripts import gpu_check, gpu_kernels
 
 
 def test_decode_floor_by_hand():
@@ -37,6 +37,40 @@ def test_gpu_check_smoke_runs_every_check(tmp_path, capsys):
         assert row["decode_step_s"] > 0 and row["floor_s"] > 0 and row["speedup"] > 0
         assert row["graphs_off_decode_step_s"] > 0 and row["graphs_off_tokens_per_s"] > 0
     assert "qwen2.5-0.5b bf16 batch_32" in capsys.readouterr().out
+    # The kernels' sections, the Triton kernels under the interpreter.
+    assert results["ceilings"]["copy_bandwidth_gb_s"] > 0
+    for context in (16, 40):
+        row = results["attention"][f"context_{context}"]
+        assert row["triton_gb_s"] > 0 and row["torch_gb_s"] > 0 and row["triton_over_copy_bandwidth"] > 0
+    steps = results["decode_steps"]
+    for batch in (8, 16):
+        # Two layers: the Triton path's launches (9 a layer and the step's own) against torch's many more.
+        assert steps[f"triton_batch_{batch}"]["launches_per_step"] <= 12 * 2 + 8
+        assert (
+            steps[f"torch_batch_{batch}"]["launches_per_step"] > 2 * steps[f"triton_batch_{batch}"]["launches_per_step"]
+        )
+        assert steps[f"triton_batch_{batch}"]["step_s"] > 0 and steps[f"triton_batch_{batch}"]["floor_s"] > 0
+    _, lengths = gpu_kernels.nano_vllm_workload(3, 12, 12)
+    for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b"):
+        assert results[f"nano_vllm_{name}"]["triton"]["output_tokens"] == sum(lengths)
+    assert results["nano_vllm_qwen2.5-0.5b"]["torch"]["tokens_per_s"] > 0
+
+
+def test_nano_vllm_workload_is_the_published_one():
+    """nano-vllm's bench.py: seed 0, prompts of 100..1024 ids up to 10000, 100..1024 output tokens."""
+    prompts, lengths = gpu_kernels.nano_vllm_workload(256, 1024, 1024)
+    assert len(prompts) == len(lengths) == 256
+    assert all(100 <= len(p) <= 1024 for p in prompts) and all(100 <= n <= 1024 for n in lengths)
+    assert max(max(p) for p in prompts) <= 10000 and min(min(p) for p in prompts) >= 0
+    assert prompts[0][:3] == _reference_first_ids(3) and 130_000 < sum(lengths) < 150_000
+
+
+def _reference_first_ids(count: int) -> list[int]:
+    import random
+
+    rng = random.Random(0)
+    rng.randint(100, 1024)  # the first prompt's length is drawn first
+    return [rng.randint(0, 10000) for _ in range(count)]
 
 
 def test_a_failing_section_is_recorded_and_the_others_run(tmp_path, capsys, monkeypatch):
@@ -45,6 +79,9 @@ def test_a_failing_section_is_recorded_and_the_others_run(tmp_path, capsys, monk
         raise RuntimeError("capture exploded")
 
     monkeypatch.setattr(gpu_check, "bench_25m", broken)
+    # The kernels' sections are covered above; here they only need to come after the failure.
+    monkeypatch.setattr(gpu_kernels, "decode_steps", lambda *args, **kwargs: {})
+    monkeypatch.setattr(gpu_kernels, "nano_vllm_model", lambda *args, **kwargs: {})
     out = tmp_path / "gpu_check.json"
     results = gpu_check.main(["--smoke", "--out", str(out)])
     assert "RuntimeError: capture exploded" in results["bench_25m"]["error"]

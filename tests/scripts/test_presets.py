@@ -42,6 +42,20 @@ def test_smollm2_135m_shape():
     assert engine.head_dim == 64 and engine.rope.theta == 100000.0 and engine.rms_norm_eps == 1e-5
 
 
+def test_gpu_shapes_have_the_published_parameter_counts():
+    """Multiplied parameters (scripts/bench.py's dense_params) plus the rest each model's
+    card counts: Qwen2.5-1.5B 1,543,714,304 (tied: q/k/v biases and RMSNorm weights on top),
+    Llama-3-8B 8,030,261,248 (untied: the input embedding and the norms on top)."""
+    qwen = preset("qwen2.5-1.5b")
+    biases = qwen["num_hidden_layers"] * (1536 + 2 * 256)
+    norms = (2 * qwen["num_hidden_layers"] + 1) * qwen["hidden_size"]
+    assert dense_params(qwen) + biases + norms == 1_543_714_304
+    llama = preset("llama-3-8b")
+    embedding = llama["vocab_size"] * llama["hidden_size"]
+    norms = (2 * llama["num_hidden_layers"] + 1) * llama["hidden_size"]
+    assert dense_params(llama) + embedding + norms == 8_030_261_248
+
+
 def test_bench_sync_pushes_485_mib():
     shapes = qwen2_shapes(qwen2_config("bench-sync"))
     assert round(4 * sum(math.prod(s) for s in shapes.values()) / 2**20) == 485

@@ -1,8 +1,8 @@
 """Launching the engine's Triton kernels, and counting the launches.
 
 Every kernel in this folder is launched through `launch`, so `launches()`
-sees all of them: the launch-count test adds them to the torch ops of a
-decode step, and the GPU benchmark reports them per step.
+sees all of them: `rollout.kernels.launch_count` adds them to the torch ops
+of a step (the launch-count test, the GPU benchmark's launches per step).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 _counters: list[list[str]] = []  # the open `launches()` blocks, innermost last
+_inside = [0]  # launches running now: torch ops they issue (the interpreter's copies) are not the step's
 
 
 def interpreted() -> bool:
@@ -39,7 +40,16 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
         _fix_interpreter_scalar_index()
     for names in _counters:
         names.append(kernel.fn.__name__)
-    kernel[grid](*args, **meta)
+    _inside[0] += 1
+    try:
+        kernel[grid](*args, **meta)
+    finally:
+        _inside[0] -= 1
+
+
+def launching() -> bool:
+    """Whether a Triton kernel is being launched (or, interpreted, run) now."""
+    return _inside[0] > 0
 
 
 @contextmanager

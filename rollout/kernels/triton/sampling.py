@@ -18,14 +18,15 @@ a decode graph can capture the call.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from rollout.engine.sampler import SamplingBatch
-
 from .launch import launch
+from .uniform import uniform
 
 # Candidates per filtering row. Common top_k settings (20 to 1000) fall within
 # them, so those rows are always exact; top-p and min-p sets of model outputs
@@ -34,43 +35,26 @@ from .launch import launch
 # in-register bitonic sorts of 64-bit keys per row dearer for those rare rows.
 CANDIDATES = 1024
 _VOCAB_BLOCK = 4096
+
+
+class SamplingRows(Protocol):
+    """What this sampler reads of a `rollout.engine.sampler.SamplingBatch` (the
+    kernels do not import the engine): per-row device tensors `[R]` and the
+    host-known flags."""
+
+    temperature: torch.Tensor  # float32, 0 = greedy
+    top_k: torch.Tensor  # int64, 0 = off
+    top_p: torch.Tensor  # float32, 1 = off
+    min_p: torch.Tensor  # float32, 0 = off
+    seed: torch.Tensor  # int64
+    sample_index: torch.Tensor  # int64: the RNG stream
+    rng_pos: torch.Tensor  # int64: the RNG counter
+    mode: torch.Tensor  # int64 logprobs mode code
+    flags: tuple  # (any_filter, any_greedy, all_greedy)
+
+
 _LOW32: tl.constexpr = tl.constexpr(0xFFFFFFFF)
 _SIGN32: tl.constexpr = tl.constexpr(0x80000000)
-
-
-@triton.jit
-def _mix32(x):
-    # PCG-RXS-M-XS on uint32, wrapping as the reference's int64 arithmetic masked to 32 bits.
-    state = x * 747796405 + 2891336453
-    word = ((state >> ((state >> 28) + 4)) ^ state) * 277803737
-    return (word >> 22) ^ word
-
-
-@triton.jit
-def _uniform(seed, stream, counter):
-    h = _mix32(counter.to(tl.uint32))
-    h = _mix32(h ^ stream.to(tl.uint32))
-    h = _mix32(h ^ seed.to(tl.uint32))
-    h = _mix32(h ^ (seed >> 32).to(tl.uint32))
-    return (h >> 8).to(tl.float32) * (1.0 / 16777216)
-
-
-@triton.jit
-def _counter_uniform(seed_ptr, stream_ptr, counter_ptr, out_ptr, rows, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < rows
-    seed = tl.load(seed_ptr + offs, mask=mask, other=0)
-    stream = tl.load(stream_ptr + offs, mask=mask, other=0)
-    counter = tl.load(counter_ptr + offs, mask=mask, other=0)
-    tl.store(out_ptr + offs, _uniform(seed, stream, counter), mask=mask)
-
-
-def counter_uniform(seed: torch.Tensor, stream: torch.Tensor, counter: torch.Tensor, out: torch.Tensor) -> None:
-    """float32 uniforms in [0, 1) into `out` `[R]` from int64 `seed`, `stream`,
-    `counter` `[R]`: bit for bit `rollout.engine.sampler.counter_uniform`."""
-    rows = out.shape[0]
-    block = 256
-    launch(_counter_uniform, (triton.cdiv(rows, block),), seed, stream, counter, out, rows, BLOCK=block)
 
 
 @triton.jit
@@ -290,7 +274,7 @@ def _sample_rows(
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
     min_p = tl.load(min_p_ptr + row)
-    u = _uniform(tl.load(seed_ptr + row), tl.load(stream_ptr + row), tl.load(counter_ptr + row))
+    u = uniform(tl.load(seed_ptr + row), tl.load(stream_ptr + row), tl.load(counter_ptr + row))
     raw_max, token = _row_max(row_ptr, vocab, BLOCK)
     scaled_max = tl.math.div_rn(raw_max, temperature)  # division by a positive number keeps the order
     raw_mass, full_mass = _row_sums(row_ptr, vocab, temperature, raw_max, scaled_max, BLOCK, ACCURATE_EXP)
@@ -332,7 +316,7 @@ def _sample_rows(
 
 def sample(
     logits: torch.Tensor,
-    p: SamplingBatch,
+    p: SamplingRows,
     out_tokens: torch.Tensor,
     out_logprobs: torch.Tensor,
     out_exact: torch.Tensor,

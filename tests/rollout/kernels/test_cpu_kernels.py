@@ -242,18 +242,18 @@ def test_without_a_compiler_auto_falls_back_and_compiled_refuses(qwen2, tmp_path
 
 
 def test_kernel_choice_per_device():
-    assert check_kernels("auto", torch.device("cuda")) == "torch"
+    assert check_kernels("auto", torch.device("cuda")) == "auto"  # Triton where installed, decided at load
     assert check_kernels("torch", torch.device("cpu")) == "torch"
     assert check_kernels("auto", torch.device("cpu")) == "auto"  # decided when the engine loads them
     assert check_kernels("compiled", torch.device("cpu")) == "compiled"
     with pytest.raises(ValueError, match="needs device 'cpu'"):
         check_kernels("compiled", torch.device("cuda"))
-    with pytest.raises(ValueError, match=r"one of \('auto', 'compiled', 'torch'\)"):
+    with pytest.raises(ValueError, match=r"one of \('auto', 'compiled', 'triton', 'torch'\)"):
         check_kernels("fast", torch.device("cpu"))
     with pytest.raises(TypeError, match="kernels must be a str"):
         check_kernels(None, torch.device("cpu"))
     assert load_kernels("torch") is None
-    assert load_kernels("auto") is cpu_ops() is load_kernels("compiled")  # this machine compiles them
+    assert load_kernels("auto").lib is cpu_ops() is load_kernels("compiled").lib  # this machine compiles them
 
 
 def test_resolving_a_config_compiles_nothing(qwen2, tmp_path, monkeypatch):
@@ -316,7 +316,7 @@ def test_decode_layers_op_equals_the_python_layer_loop(checkpoints, family, n):
     for one_op in (True, False):
         engine = make_engine(checkpoints[family].path)
         engine.model._one_op &= one_op
-        engine.model._ops = counting = CountingOps(engine.model._ops)
+        engine.model._cpu = counting = CountingOps(engine.model._cpu)
         results[one_op] = [(s.token_ids, s.logprobs) for out in engine.generate(prompts, params) for s in out.samples]
         calls[one_op] = counting.calls["decode_layers"]
         # Steps of one or two rows project through skinny_linear: the LM head at least, on both paths.
@@ -368,7 +368,7 @@ def test_a_step_that_samples_nothing_runs_on_the_compiled_kernels(qwen2):
 
 def test_batch_one_decoding_through_skinny_linear_matches_transformers(qwen2):
     engine = make_engine(qwen2.path)
-    engine.model._ops = counting = CountingOps(engine.model._ops)
+    engine.model._cpu = counting = CountingOps(engine.model._cpu)
     prompt = list(range(3, 20))
     out = engine.generate([prompt], SamplingParams(max_tokens=20, seed=2, ignore_eos=True, logprobs_mode="raw"))[0]
     assert counting.calls["skinny_linear"] > 0

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rollout.engine import sampler as reference
 from rollout.engine.sampler import MODE_CODES, SamplingBatch
 from rollout.kernels.triton import sampling as triton_sampling
+from rollout.kernels.triton import uniform as triton_uniform
 
 # The interpreter sorts slowly: small candidate counts keep the file fast, and
 # make rows whose kept set reaches past the candidates easy to build.
@@ -100,7 +101,7 @@ def test_counter_uniform_is_the_definition_bit_for_bit():
     edges = torch.tensor([0, -1, 2**32 - 1, 2**32, -(2**31), 2**63 - 1, -(2**63), 8488778])
     seed[: len(edges)], stream[-len(edges) :], counter[100 : 100 + len(edges)] = edges, edges, edges
     out = torch.full((rows,), float("nan"))
-    triton_sampling.counter_uniform(seed, stream, counter, out)
+    triton_uniform.counter_uniform(seed, stream, counter, out)
     assert torch.equal(out, reference.counter_uniform(seed, stream, counter))
 
 
