@@ -36,6 +36,7 @@ CLIENTS = 10 * BATCH
 MAX_REQUESTS = 5 * BATCH  # max_inflight_requests: half the clients are admitted
 MAX_TOKENS = 4096  # max_inflight_tokens: far above the work of MAX_REQUESTS small requests
 LENGTH = 64  # tokens each admitted client samples
+SLOW_TOKENS = 600  # the slow reader's: with logprobs, far more bytes than the sockets' buffers hold
 HEALTH_S = 2.0  # what `/health` may take while the engine is saturated
 WAIT_S = 60.0  # bound on every wait: a hang fails, never blocks the run
 
@@ -201,6 +202,91 @@ def test_ten_times_the_batch_streaming_at_once(served):
     assert after["rollout_kv_pages_used"] == 0
     assert watch.polls >= 3 and watch.health_s < HEALTH_S, watch.health_s
     assert watch.running <= MAX_REQUESTS and watch.tokens <= MAX_TOKENS
+
+
+class SlowReader:
+    """A streaming request over a raw socket with a 4 KiB receive buffer,
+    which reads its response's status line and then nothing until `read_all`."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.settimeout(WAIT_S)
+        self.sock.connect((host, int(port)))
+        data = json.dumps(body).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        self.sock.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        self.received = self.sock.recv(64)
+        assert self.received.startswith(b"HTTP/1.1 200"), self.received
+
+    def read_all(self) -> bytes:
+        """The rest of the response, de-chunked: the event stream's bytes."""
+        while not self.received.endswith(b"0\r\n\r\n"):
+            part = self.sock.recv(1 << 16)
+            assert part, "the server closed the stream early"
+            self.received += part
+        self.sock.close()
+        head, _, chunked = self.received.partition(b"\r\n\r\n")
+        body = b""
+        while True:
+            size, _, rest = chunked.partition(b"\r\n")
+            if int(size, 16) == 0:
+                return body
+            body, chunked = body + rest[: int(size, 16)], rest[int(size, 16) + 2 :]
+
+
+def test_a_client_that_stops_reading_stalls_no_one(served):
+    """A streaming client reads nothing more after its status line. The other
+    streams finish meanwhile; the engine finishes its request too (its KV
+    freed), but the server sends it only what its socket takes: the rest
+    waits in its stream, bounded by the request's own work, which stays
+    counted in flight until the client reads it all, every token there."""
+    url = served.url
+    before = wait_for(url, idle, "idle before")
+    slow = SlowReader(url, request("a slow reader", SLOW_TOKENS, 7, logprobs=5))
+
+    async def others() -> list[bytes]:
+        async with httpx.AsyncClient(base_url=url, timeout=WAIT_S) as client:
+
+            async def one(i: int) -> bytes:
+                async with client.stream("POST", "/v1/completions", json=request(f"other {i}", LENGTH, i)) as r:
+                    assert r.status_code == 200
+                    return await r.aread()
+
+            return await asyncio.gather(*(one(i) for i in range(2 * BATCH)))
+
+    bodies = asyncio.run(others())
+    assert [len(tokens_of(b)) for b in bodies] == [LENGTH] * 2 * BATCH
+    # The slow request ends in the engine (no KV held), not on the wire: most of its tokens wait unsent.
+    stalled = wait_for(url, lambda m: m["rollout_kv_pages_used"] == 0, "the engine done with every request")
+    unsent = before["rollout_completion_tokens_total"] + 2 * BATCH * LENGTH + SLOW_TOKENS
+    unsent -= stalled["rollout_completion_tokens_total"]
+    assert unsent > SLOW_TOKENS / 2, unsent
+    assert stalled["rollout_requests_running"] == 1 and stalled["rollout_inflight_tokens"] > SLOW_TOKENS
+    tokens = tokens_of(slow.read_all())
+    assert tokens == alone(served, "a slow reader", SLOW_TOKENS, 7)
+    wait_for(url, idle, "the slow reader's place released")
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_place(served):
+    """A client that closes its connection after its first chunks: its request
+    is aborted (its KV freed well before its end) and its place and work in
+    flight released, while a stream beside it finishes whole."""
+    url = served.url
+    before = wait_for(url, idle, "idle before")
+
+    async def main() -> bytes:
+        async with httpx.AsyncClient(base_url=url, timeout=WAIT_S) as client:
+            beside = asyncio.ensure_future(client.post("/v1/completions", json=request("beside", LENGTH, 3)))
+            async with client.stream("POST", "/v1/completions", json=request("leaving", 1000, 5)) as r:
+                lines = r.aiter_lines()
+                assert (await anext(lines)).startswith("data: {")
+            return (await beside).content
+
+    assert len(tokens_of(asyncio.run(main()))) == LENGTH
+    after = wait_for(url, lambda m: idle(m) and m["rollout_kv_pages_used"] == 0, "the leaver's work released")
+    assert after["rollout_computed_tokens_total"] - before["rollout_computed_tokens_total"] < 1000 / 2
 
 
 class Sizes:
