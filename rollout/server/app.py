@@ -48,7 +48,7 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
     check_bind(host, config.api_key, config.allow_no_key)
     app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)  # every route is below
     metrics = Metrics()
-    inflight = InFlight(config.max_inflight_requests, config.max_inflight_tokens)  # every generation route's
+    inflight = InFlight(config.max_inflight_requests, config.max_inflight_tokens)  # what generation routes admit
     answers = Answers(backend, config, metrics, inflight)
     install_handlers(app)
     app.add_middleware(CountRequests, metrics=metrics)
