@@ -198,6 +198,9 @@ def _serve_parser(sub) -> None:
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body bound (default: 1 MiB)")
     s.add_argument("--max-request-tokens", type=int, default=None, help="prompts x n x (prompt + max_tokens) bound")
     s.add_argument("--max-inflight-tokens", type=int, default=None, help="the same over requests not yet answered")
+    s.add_argument(
+        "--max-inflight-requests", type=int, default=None, help="requests not yet answered (default: 1024 or more)"
+    )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--access-log", action="store_true", help="log every request")
     _engine_flags(s)

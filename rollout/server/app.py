@@ -11,8 +11,10 @@ Each prompt is one `TokenStream` on the backend, so concurrent requests
 share the engine's steps, which its own thread runs. The event loop never
 runs the engine, renders a chat template or tokenizes a prompt (a thread
 does: a long prompt would stop every other request, `/health` included);
-`Engine.stream` does wait for the step under way to end before it returns
-(docs/serving.md#throughput), and a cluster's counters are read in a thread."""
+`Engine.stream` only queues a request, and a cluster's counters are read in
+a thread. A generation request is admitted (`InFlight`: a 429 past its
+bounds) before its body is read, and holds its place until its response
+ends, however it ends (docs/serving.md#overload-and-slow-clients)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from .backend import Backend
 from .config import ServerConfig
 from .errors import APIError, from_validation, install_handlers
 from .events import events
-from .generation import ClientGone, InFlight, cancel, outputs, start, wait_for_disconnect
+from .generation import ClientGone, InFlight, Ticket, cancel, outputs, start, wait_for_disconnect
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import Reply, usage
 from .schemas import ChatRequest, CompletionRequest
@@ -46,7 +48,7 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
     check_bind(host, config.api_key, config.allow_no_key)
     app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)  # every route is below
     metrics = Metrics()
-    inflight = InFlight(config.max_inflight_tokens)  # every generation route starts its job through it
+    inflight = InFlight(config.max_inflight_requests, config.max_inflight_tokens)  # what generation routes admit
     answers = Answers(backend, config, metrics, inflight)
     install_handlers(app)
     app.add_middleware(CountRequests, metrics=metrics)
@@ -68,53 +70,62 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
     async def metrics_text(request: Request) -> PlainTextResponse:
         auth.check(request)
         counters = await asyncio.to_thread(backend.counters)
-        text = metrics.render(backend.policy_version(), counters, inflight.tokens)
+        text = metrics.render(backend.policy_version(), counters, inflight)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         auth.check(request)
-        body = await parse(request, CompletionRequest, config.max_body_bytes)
-        return await answers.answer(request, await asyncio.to_thread(prepare, completion_job, body, config, backend))
+        return await answers.admit(request, CompletionRequest, completion_job)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         auth.check(request)
-        body = await parse(request, ChatRequest, config.max_body_bytes)
-        return await answers.answer(request, await asyncio.to_thread(prepare, chat_job, body, config, backend))
+        return await answers.admit(request, ChatRequest, chat_job)
 
     return app
 
 
 class Answers:
-    """Runs a prepared `Job` and answers it, streamed or not; whatever way the
-    response ends, its streams are cancelled and its work in flight released."""
+    """Admits a generation request, runs its `Job` and answers it, streamed or
+    not; whatever way the response ends, its streams are cancelled and its
+    place in flight released."""
 
     def __init__(self, backend: Backend, config: ServerConfig, metrics: Metrics, inflight: InFlight) -> None:
         self.backend, self.config, self.metrics, self.inflight = backend, config, metrics, inflight
 
-    async def answer(self, request: Request, job: Job) -> Response:
+    async def admit(self, request: Request, schema: type[BaseModel], make_job: Callable[..., Job]) -> Response:
+        """Count the request in before its body is read (a 429 past
+        `max_inflight_requests`), then parse, prepare and answer it."""
+        ticket = self.inflight.admit()
+        try:
+            body = await parse(request, schema, self.config.max_body_bytes)
+            job = await asyncio.to_thread(prepare, make_job, body, self.config, self.backend)
+            return await self.answer(request, job, ticket)
+        except BaseException:  # a streamed answer releases it as its response ends; anything else, here
+            ticket.release()
+            raise
+
+    async def answer(self, request: Request, job: Job, ticket: Ticket) -> Response:
         backend, metrics = self.backend, self.metrics
         reply = Reply(job, self.config.model_name, backend.codec, backend.policy_version())  # nothing to undo yet
-        streams = start(job, backend, self.inflight)
-        metrics.running += 1
+        streams = start(job, backend, ticket)
         if job.stream:
-            return EventStream(events(reply, streams, metrics), lambda: self._end(job, streams))
+            return EventStream(events(reply, streams, metrics), lambda: self._end(streams, ticket))
         try:
             done = await outputs(streams, lambda: wait_for_disconnect(request.receive))
         except ClientGone:
             raise APIError(499, "the client closed the request", code="client_closed_request") from None
         finally:
-            self._end(job, streams)
+            self._end(streams, ticket)
         counts = usage(done)
         metrics.prompt_tokens += counts["prompt_tokens"]
         metrics.completion_tokens += counts["completion_tokens"]
         return JSONResponse(reply.body(done))
 
-    def _end(self, job: Job, streams: list) -> None:
+    def _end(self, streams: list, ticket: Ticket) -> None:
         cancel(streams)  # a no-op for finished streams; an error leaves nothing running
-        self.inflight.release(job)
-        self.metrics.running -= 1
+        ticket.release()
 
 
 class EventStream(StreamingResponse):

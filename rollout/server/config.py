@@ -12,6 +12,9 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 # once; `serve` raises them to the engine's full batch at full length.
 DEFAULT_MAX_REQUEST_TOKENS = 1 << 20
 DEFAULT_MAX_INFLIGHT_TOKENS = 1 << 22
+# Requests admitted and not yet answered, however small: each holds a
+# connection, a task, up to `max_body_bytes` of body and its streams.
+DEFAULT_MAX_INFLIGHT_REQUESTS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,8 +25,9 @@ class ServerConfig:
     (which caps `max_tokens` by the context and refuses what cannot fit in its
     KV); `serve` defaults them to the engine's `max_batch_size` and
     `max_seq_len`. `max_request_tokens` bounds one request's work (a 400
-    past it) and `max_inflight_tokens` the work of every request accepted and
-    not yet answered (a 429 with `Retry-After` past it); see docs/serving.md."""
+    past it), `max_inflight_tokens` the work of every request accepted and
+    not yet answered and `max_inflight_requests` their count (a 429 with
+    `Retry-After` past either); see docs/serving.md."""
 
     model_name: str  # the one name `/v1/models` lists and requests must use (or omit)
     max_n: int  # samples per prompt
@@ -34,6 +38,7 @@ class ServerConfig:
     max_prompts: int = 64  # prompts in one /v1/completions request
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS  # one request's prompts x n x (prompt + max_tokens)
     max_inflight_tokens: int = DEFAULT_MAX_INFLIGHT_TOKENS  # the same, summed over requests not yet answered
+    max_inflight_requests: int = DEFAULT_MAX_INFLIGHT_REQUESTS  # requests admitted and not yet answered
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -46,6 +51,7 @@ class ServerConfig:
         check_int(
             "max_inflight_tokens", self.max_inflight_tokens, self.max_request_tokens, "(at least max_request_tokens)"
         )
+        check_int("max_inflight_requests", self.max_inflight_requests, 1)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
         if not isinstance(self.allow_no_key, bool):

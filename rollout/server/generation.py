@@ -1,8 +1,9 @@
 """Running a `Job` on the backend: one `TokenStream` per prompt, read in the
 event loop; whatever way a request ends (finished, failed, client gone),
-its streams are cancelled, so an abandoned request frees its KV. A job is
-started only while the work the server has accepted and not answered stays
-within its bound (`InFlight`), so a flood of requests gets 429s, not memory."""
+its streams are cancelled, so an abandoned request frees its KV. A request
+is admitted only while the requests the server has accepted and not answered
+stay within their bounds, in count and in work (`InFlight`), so a flood of
+requests, large or tiny, gets 429s, not memory."""
 
 from __future__ import annotations
 
@@ -28,41 +29,69 @@ class ServerBusy(RetryLater):
 
 
 class InFlight:
-    """The work (`Job.work` tokens) of the jobs started and not yet answered,
-    bounded by `limit`. Only the event loop's thread calls it: no lock."""
+    """The requests admitted and not yet answered, bounded in count
+    (`max_requests`: each holds a connection, a task, its body and streams,
+    however little it asks for) and in work (`max_tokens` of `Job.work`).
+    Only the event loop's thread calls it: no lock."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, max_requests: int, max_tokens: int) -> None:
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.requests = 0
         self.tokens = 0
 
-    def take(self, job: Job) -> None:
-        """Count `job` in, or raise `ServerBusy` (nothing counted) past the limit."""
-        if self.tokens + job.work > self.limit:
+    def admit(self) -> Ticket:
+        """Count one more request in before its body is read, or raise `ServerBusy` (nothing counted)."""
+        if self.requests >= self.max_requests:
             raise ServerBusy(
-                f"the server is at its bound of work in flight ({self.tokens} of {self.limit} tokens taken; "
-                f"this request needs {job.work}, see max_inflight_tokens): retry after {RETRY_AFTER_S} s"
+                f"the server is at its bound of requests in flight ({self.max_requests}, see "
+                f"max_inflight_requests): retry after {RETRY_AFTER_S} s"
             )
+        self.requests += 1
+        return Ticket(self)
+
+
+class Ticket:
+    """One admitted request's share of `InFlight`; `release()` gives it all back, once."""
+
+    def __init__(self, inflight: InFlight) -> None:
+        self.inflight = inflight
+        self.tokens = 0  # the work taken (`take`)
+        self.released = False
+
+    def take(self, job: Job) -> None:
+        """Count `job`'s work in, or raise `ServerBusy` (no work counted) past the bound."""
+        inflight = self.inflight
+        if inflight.tokens + job.work > inflight.max_tokens:
+            raise ServerBusy(
+                f"the server is at its bound of work in flight ({inflight.tokens} of {inflight.max_tokens} tokens "
+                f"taken; this request needs {job.work}, see max_inflight_tokens): retry after {RETRY_AFTER_S} s"
+            )
+        inflight.tokens += job.work
         self.tokens += job.work
 
-    def release(self, job: Job) -> None:
-        self.tokens -= job.work
+    def release(self) -> None:
+        """The request is answered (or failed, or its client left); a second call does nothing."""
+        if not self.released:
+            self.released = True
+            self.inflight.requests -= 1
+            self.inflight.tokens -= self.tokens
+            self.tokens = 0
 
 
 class ClientGone(Exception):
     """The client closed its connection before its response was ready."""
 
 
-def start(job: Job, backend: Backend, inflight: InFlight) -> list[TokenStream]:
-    """Start every prompt of `job`, counted in `inflight` (the caller releases it
-    when the response ends; a 429 when it is full); a prompt the engine refuses
-    cancels those started, releases the job and raises a 400."""
-    inflight.take(job)
+def start(job: Job, backend: Backend, ticket: Ticket) -> list[TokenStream]:
+    """Start every prompt of `job`, its work counted on `ticket` (a 429 past the
+    bound; the caller releases the ticket when the response ends); a prompt the
+    engine refuses cancels those started and raises a 400."""
+    ticket.take(job)
     streams: list[TokenStream] = []
     try:
         for prompt in job.prompts:
             streams.append(backend.stream(prompt, job.params))
     except BaseException as e:
-        inflight.release(job)
         cancel(streams)
         if isinstance(e, UnavailableError):  # a closed engine's is a ValueError too: a 503 (`errors.py`), not a 400
             raise

@@ -12,6 +12,8 @@ from collections import Counter
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .generation import InFlight
+
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -23,9 +25,8 @@ class Metrics:
         self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) -> responses
         self.prompt_tokens = 0  # prompt tokens of finished requests
         self.completion_tokens = 0  # tokens sent to clients
-        self.running = 0  # generation requests in flight
 
-    def render(self, policy_version: int, backend: dict[str, int], inflight_tokens: int) -> str:
+    def render(self, policy_version: int, backend: dict[str, int], inflight: InFlight) -> str:
         lines: list[str] = []
         _family(lines, "rollout_requests_total", "counter", "HTTP responses by endpoint and status.")
         for (endpoint, status), count in sorted(self.requests.items()):
@@ -33,12 +34,12 @@ class Metrics:
         scalars = [
             ("rollout_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
             ("rollout_completion_tokens_total", "counter", "Generated tokens sent.", self.completion_tokens),
-            ("rollout_requests_running", "gauge", "Generation requests in flight.", self.running),
+            ("rollout_requests_running", "gauge", "Generation requests admitted, not yet answered.", inflight.requests),
             (
                 "rollout_inflight_tokens",
                 "gauge",
                 "Work of the requests in flight: prompts x n x (prompt tokens + max_tokens).",
-                inflight_tokens,
+                inflight.tokens,
             ),
             ("rollout_policy_version", "gauge", "Policy version of the weights serving now.", policy_version),
             ("rollout_kv_pages_used", "gauge", "KV cache pages in use.", backend["kv_pages_used"]),

@@ -14,7 +14,7 @@ import uvicorn
 
 from .app import create_app
 from .backend import Backend, ClusterBackend, EngineBackend
-from .config import DEFAULT_MAX_REQUEST_TOKENS, ServerConfig
+from .config import DEFAULT_MAX_INFLIGHT_REQUESTS, DEFAULT_MAX_REQUEST_TOKENS, ServerConfig
 from .security import check_bind
 
 API_KEY_ENV = "ROLLOUT_API_KEY"
@@ -63,6 +63,10 @@ def server_config(args: argparse.Namespace, backend: Backend, key: str | None) -
         max_request_tokens = args.max_request_tokens
     else:
         max_request_tokens = min(full_batch, args.max_inflight_tokens or full_batch)
+    # Requests in flight: four full batches of one-prompt requests, and never fewer than the default.
+    inflight_requests = max(DEFAULT_MAX_INFLIGHT_REQUESTS, 4 * backend.max_batch_size)
+    if args.max_inflight_requests is not None:
+        inflight_requests = args.max_inflight_requests
     return ServerConfig(
         model_name=args.served_model_name or Path(args.model).resolve().name,
         max_n=args.max_n or backend.max_batch_size,
@@ -72,6 +76,7 @@ def server_config(args: argparse.Namespace, backend: Backend, key: str | None) -
         max_body_bytes=args.max_body_bytes,
         max_request_tokens=max_request_tokens,
         max_inflight_tokens=4 * max_request_tokens if args.max_inflight_tokens is None else args.max_inflight_tokens,
+        max_inflight_requests=inflight_requests,
     )
 
 
