@@ -206,10 +206,15 @@ class RolloutWorker:
         with self._lock:
             if push_id in self._finished:
                 return bucket.nbytes  # a late bucket of a push that was aborted meanwhile
+            # Pushes run one at a time: an older one is over, even one whose
+            # driver was interrupted before its abort reached this actor.
             for stale in [k for k in self._incoming if k != push_id]:
-                del self._incoming[stale]  # pushes run one at a time: an older one is over
+                del self._incoming[stale]
+            stale_prepared = [self._prepared.pop(k) for k in list(self._prepared) if k != push_id]
             self._incoming.setdefault(push_id, {})[index] = (tuple(entries), bucket)
             self._buckets_copied += copied
+        for staged, _ in stale_prepared:
+            self.engine.discard_weights(staged)
         return bucket.nbytes
 
     def _verify_share(self, bucket: np.ndarray, entries, part: int, parts: int, checksums: bool) -> None:
@@ -263,7 +268,7 @@ class RolloutWorker:
 
     def health(self) -> dict:
         """Version, scheduler and KV usage, computed and recompute counters, sessions, aborts waiting for
-        their call, copied buckets and resident memory of this actor."""
+        their call, copied buckets, pushes staged and not committed, and resident memory of this actor."""
         stats = self.engine.stats()
         return {
             "pid": os.getpid(),
@@ -279,10 +284,16 @@ class RolloutWorker:
             "session_turns": self._sessions.num_running,
             "early_aborts": self._aborts.num_early + self._sessions.num_early_aborts,  # for calls not started yet
             "buckets_copied": self._buckets_copied,
+            "staged_pushes": self.staged_pushes(),
             "rss_bytes": resident_bytes(),
             "rss_private_bytes": resident_bytes("RssAnon"),
             "rss_shared_bytes": resident_bytes("RssFile") + resident_bytes("RssShmem"),
         }
+
+    def staged_pushes(self) -> int:
+        """Pushes this actor received in part or prepared, neither committed nor aborted yet."""
+        with self._lock:
+            return len(self._incoming.keys() | self._prepared.keys())
 
     def policy_version(self) -> int:
         """The version of the weights this actor serves."""

@@ -92,6 +92,24 @@ def test_buckets_of_an_abandoned_push_do_not_linger(qwen2):
         worker.stage_bucket("new", 0, packed[0].entries, list(packed[0].segments), share=(2, 2))
 
 
+def test_a_prepared_push_whose_driver_never_came_back_is_dropped_by_the_next(qwen2):
+    worker = RolloutWorker(qwen2.path, ENGINE)
+    packed, manifest = _packed(qwen2.hf.state_dict())
+    for p in packed:
+        worker.stage_bucket("interrupted", p.index, p.entries, list(p.segments))
+    assert worker.staged_pushes() == 1
+    worker.prepare_push("interrupted", manifest)  # its driver stopped here: no commit, no abort
+    assert worker.health()["staged_pushes"] == 1
+    worker.stage_bucket("next", 0, packed[0].entries, list(packed[0].segments))
+    assert worker.staged_pushes() == 1  # only the new one
+    with pytest.raises(KeyError):
+        worker.commit_push("interrupted", 1, "recompute")
+    for p in packed[1:]:
+        worker.stage_bucket("next", p.index, p.entries, list(p.segments))
+    worker.prepare_push("next", manifest)
+    assert worker.commit_push("next", 1, "recompute") == 1 and worker.staged_pushes() == 0
+
+
 def test_verification_runs_on_a_thread_that_yields_to_generation(qwen2):
     if not sys.platform.startswith("linux"):
         pytest.skip("per-thread nice values are a Linux feature")
