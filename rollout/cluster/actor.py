@@ -82,6 +82,7 @@ class RolloutWorker:
         self._faults: dict[str, str] = {}
         self._buckets_copied = 0  # buckets whose segments arrived apart and were copied together
         self._finished: deque[str] = deque(maxlen=64)  # push ids prepared or aborted: late buckets are dropped
+        self._aborted: deque[str] = deque(maxlen=64)  # push ids aborted: a prepare still running drops its staging
         # Verifying a push yields the CPU to generation: on a busy host its
         # scans would otherwise stretch the decode steps they overlap.
         self._background = ThreadPoolExecutor(1, "rollout-verify", initializer=lower_thread_priority)
@@ -248,7 +249,12 @@ class RolloutWorker:
             buckets.append(bucket)
         staged = self.engine.prepare_weights(unpack(buckets, manifest), adopt=True, verified_finite=True)
         with self._lock:
-            self._prepared[push_id] = (staged, tuple(buckets))  # the buckets stay alive until commit
+            aborted = push_id in self._aborted  # while it was being prepared: the driver gave up on it
+            if not aborted:
+                self._prepared[push_id] = (staged, tuple(buckets))  # the buckets stay alive until commit
+        if aborted:
+            self.engine.discard_weights(staged)
+            raise ValueError(f"weight push {push_id} was aborted while it was being prepared")
         return staged.nbytes
 
     def commit_push(self, push_id: str, version: int, inflight: str) -> int:
@@ -261,6 +267,7 @@ class RolloutWorker:
         """Drop a push: its received buckets, its staged update, and any of its buckets still to come."""
         with self._lock:
             self._finished.append(push_id)
+            self._aborted.append(push_id)
             self._incoming.pop(push_id, None)
             entry = self._prepared.pop(push_id, None)
         if entry is not None:

@@ -112,48 +112,65 @@ class WeightPushes:
 
     def _finish(self, shipment: _Shipment, inflight: str) -> int:
         """Phase one on every actor that received the push, then phase two
-        where all accepted it; releases the push lock."""
+        where all accepted it; releases the push lock. Until the commit is
+        sent, any way out (a rejection, an error, a KeyboardInterrupt) aborts
+        the push on every actor, so none keeps it staged."""
         try:
-            version, push_id = shipment.version, shipment.push_id
-            staged = self._pool.collect(shipment.calls, f"receiving weight push v{version}")
-            received = received_per_actor(shipment.slots, staged, shipment.roles)
-            prepared = self._pool.collect(
-                [
-                    self._pool.call(s, "prepare_push", push_id, shipment.manifest, todo)
-                    for s, todo in received
-                    if not isinstance(todo, BaseException)
-                ],
-                f"preparing weight push v{version}",
-            )
-            results = [(s, r) for s, r in received if isinstance(r, BaseException)] + prepared
-            ready = [s for s, r in results if not isinstance(r, BaseException)]
-            rejected = [(s, r) for s, r in results if isinstance(r, BaseException) and not isinstance(r, ActorGone)]
-            if rejected:
-                self._abort(push_id, shipment.slots)
-                raise _rejection(*rejected[0], version)
-            self._gate.publish(shipment.manifest, version, shipment.refs)
-            self._commit(ready, push_id, version, inflight)
-            self._versions.commit(version)
-            return version
+            try:
+                ready = self._prepare(shipment)
+            except BaseException:
+                if not self._pool.closed:
+                    self._abort(shipment.push_id, shipment.slots)
+                raise
+            self._gate.publish(shipment.manifest, shipment.version, shipment.refs)
+            self._commit(ready, shipment.push_id, shipment.version, inflight)
+            return shipment.version
         finally:
             self._gate.lock.release()
 
+    def _prepare(self, shipment: _Shipment) -> list[ActorSlot]:
+        """The actors that received and prepared the push; raises the first rejection."""
+        version, push_id = shipment.version, shipment.push_id
+        staged = self._pool.collect(shipment.calls, f"receiving weight push v{version}")
+        received = received_per_actor(shipment.slots, staged, shipment.roles)
+        prepared = self._pool.collect(
+            [
+                self._pool.call(s, "prepare_push", push_id, shipment.manifest, todo)
+                for s, todo in received
+                if not isinstance(todo, BaseException)
+            ],
+            f"preparing weight push v{version}",
+        )
+        results = [(s, r) for s, r in received if isinstance(r, BaseException)] + prepared
+        rejected = [(s, r) for s, r in results if isinstance(r, BaseException) and not isinstance(r, ActorGone)]
+        if rejected:
+            raise _rejection(*rejected[0], version)
+        return [s for s, r in results if not isinstance(r, BaseException)]
+
     def _commit(self, ready: list[ActorSlot], push_id: str, version: int, inflight: str) -> None:
+        """Phase two on `ready`, then the cluster's version moves to `version`.
+        Sent commits cannot be called back: when the wait for them is
+        interrupted, it waits for them once more before the interrupt goes
+        on, so the cluster's version still says what the actors serve."""
         timeout = self._pool.timeout_s
         if inflight == "drain":  # the commit waits for the generation in flight to finish
             timeout = max(timeout, self._stall_timeout_s)
-        committed = self._pool.call_all(
-            ready,
-            "commit_push",
-            (push_id, version, inflight),
-            f"committing weight push v{version} ({inflight})",
-            timeout,
-        )
+        calls = [self._pool.call(s, "commit_push", push_id, version, inflight) for s in ready]
+        what = f"committing weight push v{version} ({inflight})"
+        try:
+            committed = self._pool.collect(calls, what, timeout)
+        except BaseException:
+            self._settle(self._pool.collect(calls, what, timeout), version)
+            raise
+        self._settle(committed, version)
+
+    def _settle(self, committed: list, version: int) -> None:
         for slot, result in committed:
             if isinstance(result, BaseException) and not isinstance(result, ActorGone):
                 # Validated already, so this is a fault: replace the actor; the
                 # replacement loads the published version, keeping all actors equal.
                 self._pool.kill(slot, f"failed to commit weight push v{version}: {result}")
+        self._versions.commit(version)
 
 
 def verifiers(slots: list[ActorSlot], here: str | None, bucket: int) -> list[tuple[ActorSlot, VerifyShare]]:

@@ -110,6 +110,24 @@ def test_a_prepared_push_whose_driver_never_came_back_is_dropped_by_the_next(qwe
     assert worker.commit_push("next", 1, "recompute") == 1 and worker.staged_pushes() == 0
 
 
+def test_a_push_aborted_while_it_is_prepared_is_not_kept(qwen2, monkeypatch):
+    worker = RolloutWorker(qwen2.path, ENGINE)
+    packed, manifest = _packed(qwen2.hf.state_dict())
+    for p in packed:
+        worker.stage_bucket("push", p.index, p.entries, list(p.segments))
+    prepare = worker.engine.prepare_weights
+
+    def abort_meanwhile(*args, **kwargs):
+        staged = prepare(*args, **kwargs)
+        worker.abort_push("push")  # the driver's abort, on another control thread
+        return staged
+
+    monkeypatch.setattr(worker.engine, "prepare_weights", abort_meanwhile)
+    with pytest.raises(ValueError, match="aborted while it was being prepared"):
+        worker.prepare_push("push", manifest)
+    assert worker.staged_pushes() == 0 and worker.engine.policy_version == 0
+
+
 def test_verification_runs_on_a_thread_that_yields_to_generation(qwen2):
     if not sys.platform.startswith("linux"):
         pytest.skip("per-thread nice values are a Linux feature")
