@@ -99,8 +99,15 @@ class RolloutCluster:
     def generate(
         self, prompts, params: SamplingParams | None = None, timeout: float | None = None
     ) -> list[RolloutOutput]:
-        """Outputs in prompt order, as `Engine.generate` returns them."""
-        return self.submit(prompts, params).result(timeout)
+        """Outputs in prompt order, as `Engine.generate` returns them. When the
+        wait ends early (`timeout`, an error, a KeyboardInterrupt), the
+        unfinished samples are aborted on their actors: nobody else can read them."""
+        handle = self.submit(prompts, params)
+        try:
+            return handle.result(timeout)
+        except BaseException:
+            handle.abort()
+            raise
 
     def submit(self, prompts, params: SamplingParams | None = None) -> GenerationHandle:
         """Start generating and return at once; the handle gives `result()` and

@@ -102,7 +102,11 @@ class GenerationDispatch:
         handle = GenerationHandle(texts)
         handle._on_abort(self._pool.wake)  # an abort ends any wait for a live actor
         if token_lists:
-            self._dispatch(handle, token_lists, params, list(range(len(token_lists))))
+            try:
+                self._dispatch(handle, token_lists, params, list(range(len(token_lists))))
+            except BaseException:  # a KeyboardInterrupt half-way: the caller never gets the handle
+                handle.abort()
+                raise
         return handle
 
     def _dispatch(self, handle: GenerationHandle, prompts, params: SamplingParams, indices: list[int]) -> None:
@@ -116,11 +120,16 @@ class GenerationDispatch:
             shares = [_Share(s, s.generation, s.handle, chosen[s.index]) for s in live if chosen[s.index]]
         if not live:  # aborted while no actor was alive: nothing starts
             _deliver_aborted(handle, prompts, params, indices, self._codec is not None)
-        for share in shares:
+        for started, share in enumerate(shares):
             handle._assign(share.indices, share.slot.label)
-            stream = self._pool.open_stream(
-                share.actor, share.slot.label, share.indices, [prompts[i] for i in share.indices], params
-            )
+            try:
+                stream = self._pool.open_stream(
+                    share.actor, share.slot.label, share.indices, [prompts[i] for i in share.indices], params
+                )
+            except BaseException:  # the shares from here on never start: their load goes
+                for unstarted in shares[started:]:
+                    self._unload(unstarted, cost * len(unstarted.indices))
+                raise
             handle._on_abort(stream.abort)
             threading.Thread(
                 target=self._consume,

@@ -209,3 +209,26 @@ def test_an_interrupted_generate_aborts_its_samples_and_the_cluster_serves_on(cl
     serves(cluster, policy(version), version)
     assert bounded(lambda: cluster.push_weights(policy(version + 1).state_dict())) == version + 1
     serves(cluster, policy(version + 1), version + 1)
+
+
+def test_a_generate_interrupted_while_dispatching_aborts_what_it_started(cluster, policy, monkeypatch):
+    open_stream, opened = cluster._pool.open_stream, []
+
+    def interrupted(*args):
+        if opened:  # one actor has its share already
+            raise KeyboardInterrupt
+        opened.append(open_stream(*args))
+        return opened[0]
+
+    computed = sum(h["computed_tokens"] for h in cluster.health())
+    params = SamplingParams(n=4, max_tokens=200, ignore_eos=True, seed=8)
+    monkeypatch.setattr(cluster._pool, "open_stream", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cluster.generate(PROMPTS, params)
+    monkeypatch.undo()
+    wait_until(lambda: all(h["running"] == h["waiting"] == 0 for h in cluster.health()), 60)
+    computed = sum(h["computed_tokens"] for h in cluster.health()) - computed
+    assert computed < len(PROMPTS) * params.n * params.max_tokens // 4  # one share, aborted
+    assert not any(h["load"] for h in cluster.health())
+    version = cluster.policy_version()
+    serves(cluster, policy(version), version)
