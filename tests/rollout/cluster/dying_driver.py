@@ -1,19 +1,21 @@
 """A trainer process for test_driver_death: it joins a running Ray by
-address, starts a one-actor cluster and pushes weights; once the actor holds
-every bucket of the push, before it is prepared or committed, it reports and
-waits to be killed.
+address, starts a one-actor cluster and, once told to go on, pushes weights;
+once the actor holds every bucket of the push, before it is prepared or
+committed, it reports and waits to be killed.
 
     python -m tests.rollout.cluster.dying_driver GCS_ADDRESS CHECKPOINT REPORT_DIR
 
 Each report is a JSON file in REPORT_DIR, written whole (renamed into place):
 `started.json` (the actors' ids and pids, the placement group's id) and
-`staged.json` (the bytes the push put in the object store)."""
+`staged.json` (the bytes the push put in the object store). It pushes once
+REPORT_DIR holds a file named `go`."""
 
 from __future__ import annotations
 
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import ray
@@ -69,6 +71,11 @@ def main(address: str, checkpoint: str, folder: Path) -> None:
         pids=[h["pid"] for h in health],
         placement_group=cluster._pool._pg.id.hex(),
     )
+    deadline = time.monotonic() + 60
+    while not (folder / "go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("never told to push")
+        time.sleep(0.01)
     stop_once_staged(folder)
     cluster.push_weights(state)
     raise AssertionError("the push was meant to stop before it committed")

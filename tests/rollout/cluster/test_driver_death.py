@@ -76,7 +76,6 @@ def test_a_driver_killed_mid_push_takes_its_actors_and_buckets_and_a_new_driver_
     ray_session, qwen2, tmp_path
 ):
     address = ray_session.get_runtime_context().gcs_address
-    free = store_free()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with open(tmp_path / "driver.log", "wb") as log:
         child = subprocess.Popen(
@@ -88,6 +87,8 @@ def test_a_driver_killed_mid_push_takes_its_actors_and_buckets_and_a_new_driver_
         )
     try:
         started = read_report(child, tmp_path / "started.json")
+        free = store_free()  # the child's cluster is up and has put nothing yet
+        (tmp_path / "go").touch()
         staged = read_report(child, tmp_path / "staged.json")
         assert staged["received"] and all(r.isdigit() for r in staged["received"]), staged
         # The push's buckets are in the store, held by the driver and adopted by its actor.
