@@ -85,7 +85,7 @@ class WeightPushes:
         return self._finish(shipment, inflight)
 
     def _abort(self, push_id: str, slots: list[ActorSlot]) -> None:
-        self._pool.call_all(slots, "abort_push", (push_id,), "aborting a weight push")
+        self._pool.call_all(slots, "abort_push", (push_id,), "aborting a weight push", kill_hung=True)
 
     def _ship(self, state_dict, requested: int | None, push_id: str, slots: list[ActorSlot]) -> _Shipment:
         """Pack and put the buckets one by one, sending each to the actors as
@@ -115,7 +115,7 @@ class WeightPushes:
         where all accepted it; releases the push lock."""
         try:
             version, push_id = shipment.version, shipment.push_id
-            staged = self._pool.collect(shipment.calls, f"receiving weight push v{version}")
+            staged = self._pool.collect(shipment.calls, f"receiving weight push v{version}", kill_hung=True)
             received = received_per_actor(shipment.slots, staged, shipment.roles)
             prepared = self._pool.collect(
                 [
@@ -124,6 +124,7 @@ class WeightPushes:
                     if not isinstance(todo, BaseException)
                 ],
                 f"preparing weight push v{version}",
+                kill_hung=True,
             )
             results = [(s, r) for s, r in received if isinstance(r, BaseException)] + prepared
             ready = [s for s, r in results if not isinstance(r, BaseException)]
@@ -131,14 +132,23 @@ class WeightPushes:
             if rejected:
                 self._abort(push_id, shipment.slots)
                 raise _rejection(*rejected[0], version)
+            if shipment.slots and not ready:  # every actor it started on died or hung: nobody vouches for it
+                raise _all_lost(results, version, "prepared", self._versions.version)
+            previous = self._gate.latest
             self._gate.publish(shipment.manifest, version, shipment.refs)
-            self._commit(ready, push_id, version, inflight)
+            committed = self._commit(ready, push_id, version, inflight)
+            if shipment.slots and all(isinstance(r, BaseException) for _, r in committed):
+                self._gate.latest = previous  # their replacements, waiting for the lock, load the version before
+                raise _all_lost(committed, version, "committed", self._versions.version)
             self._versions.commit(version)
             return version
         finally:
             self._gate.lock.release()
 
-    def _commit(self, ready: list[ActorSlot], push_id: str, version: int, inflight: str) -> None:
+    def _commit(self, ready: list[ActorSlot], push_id: str, version: int, inflight: str) -> list:
+        """Phase two on the actors in `ready`: `(slot, result or exception)`
+        per actor. One that fails, hangs or dies is replaced and its
+        replacement loads the published push."""
         timeout = self._pool.timeout_s
         if inflight == "drain":  # the commit waits for the generation in flight to finish
             timeout = max(timeout, self._stall_timeout_s)
@@ -148,12 +158,14 @@ class WeightPushes:
             (push_id, version, inflight),
             f"committing weight push v{version} ({inflight})",
             timeout,
+            kill_hung=True,
         )
         for slot, result in committed:
             if isinstance(result, BaseException) and not isinstance(result, ActorGone):
                 # Validated already, so this is a fault: replace the actor; the
                 # replacement loads the published version, keeping all actors equal.
                 self._pool.kill(slot, f"failed to commit weight push v{version}: {result}")
+        return committed
 
 
 def verifiers(slots: list[ActorSlot], here: str | None, bucket: int) -> list[tuple[ActorSlot, VerifyShare]]:
@@ -185,6 +197,15 @@ def received_per_actor(slots: list[ActorSlot], results: list, roles: list[Verify
             if isinstance(result, ActorGone):
                 orphans[slot.node].add(VerifyShare(*role))
     return [(s, failed.get(s.index) or tuple(sorted(orphans[s.node]))) for s in slots]
+
+
+def _all_lost(results: list, version: int, phase: str, current: int) -> RuntimeError:
+    """The error of a push that every actor it started on was lost to (dead, or hung and killed)."""
+    why = "; ".join(str(r).splitlines()[0] for _, r in results if isinstance(r, BaseException))
+    return RuntimeError(
+        f"no actor {phase} weight push v{version}: every actor it went to died or hung ({why}); "
+        f"the cluster stays at version {current} and its replacements load that"
+    )
 
 
 def _rejection(slot: ActorSlot, error: BaseException, version: int) -> BaseException:
