@@ -33,6 +33,8 @@ from .ray_runtime import ping, ray_module
 
 log = logging.getLogger("rollout.cluster")
 
+POLL_S = 1.0  # how often, at most, the watchdog reads answers in and judges
+
 
 @dataclass(frozen=True, slots=True)
 class HangBounds:
@@ -74,7 +76,7 @@ class ActorWatch:
     progress_at: float  # when an answer last showed a new step, or no work held
     steps: int = -1  # engine steps completed, as last answered
     ping: Any = None  # the ping in flight (an object ref), None between pings
-    ping_sent_at: float = 0.0  # when the ping in flight was sent
+    ping_sent_at: float = float("-inf")  # when the last ping was sent
 
     def sent(self, ref: Any, now: float) -> None:
         self.ping, self.ping_sent_at = ref, now
@@ -117,7 +119,8 @@ class WatchedPool(Protocol):
 
 class Watchdog:
     """Pings every live actor of `pool` every `bounds.ping_interval_s` from a
-    daemon thread, and has the pool kill and replace an actor it finds hung
+    daemon thread (judging the answers every second, or every interval when
+    that is shorter), and has the pool kill and replace an actor it finds hung
     or stalled (`ActorPool.kill`). `start()` starts the thread, `stop()` ends
     it; an error of its own stops it and is handed to the pool, whose next
     public call raises it."""
@@ -140,8 +143,9 @@ class Watchdog:
             self._thread.join(timeout=10.0)
 
     def _run(self) -> None:
+        tick = min(self.bounds.ping_interval_s, POLL_S)  # verdicts come within a tick, pings go every interval
         try:
-            while not self._stop.wait(self.bounds.ping_interval_s):
+            while not self._stop.wait(tick):
                 self.poll()
         except BaseException as e:  # handed to the pool: its next public call raises it
             log.error("the rollout watchdog stopped: %s", e)
@@ -162,7 +166,7 @@ class Watchdog:
             if fault is not None:
                 del self._watches[slot.index]
                 self._pool.kill(slot, f"{fault.kind}: {fault.why}", watch.generation, fault.kind)
-            elif watch.ping is None:
+            elif watch.ping is None and now - watch.ping_sent_at >= self.bounds.ping_interval_s:
                 watch.sent(ping(slot.handle), now)
 
     def _read(self, slot: ActorSlot, watch: ActorWatch, now: float) -> bool:
