@@ -318,3 +318,5 @@ def test_a_busy_actor_with_slow_steps_and_a_long_prefill_is_not_killed(make_clus
     health = cluster.health()
     assert [h["pid"] for h in health] == pids
     assert [(h["replacements"], h["hangs"], h["stalls"]) for h in health] == [(0, 0, 0), (0, 0, 0)]
+    cluster.shutdown()
+    assert not cluster._watchdog._thread.is_alive()  # shutdown stops the watchdog
