@@ -302,6 +302,14 @@ class RolloutWorker:
         with self._lock:
             return len(self._incoming.keys() | self._prepared.keys())
 
+    def progress(self) -> dict:
+        """The watchdog's ping, answered on a thread of its own without waiting
+        on the engine: steps the engine completed so far and the sequences it
+        holds (running or waiting). Holding sequences while `steps` stands
+        still is a stall; no answer at all is a hang."""
+        scheduler = self.engine.scheduler
+        return {"steps": self.engine.num_steps, "holding": len(scheduler.running) + len(scheduler.waiting)}
+
     def policy_version(self) -> int:
         """The version of the weights this actor serves."""
         return self.engine.policy_version

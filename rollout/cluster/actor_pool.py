@@ -6,6 +6,7 @@ reports their health and shuts them down."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +26,10 @@ from .ray_runtime import (
     plan_placement,
     ray_module,
     reserve,
+    terminate,
 )
+
+log = logging.getLogger("rollout.cluster")
 
 
 class ActorPool:
@@ -53,6 +57,7 @@ class ActorPool:
         self._threads = threads  # per actor: generate streams, session turns
         self._gate = gate
         self._closed = False
+        self._watchdog_error: BaseException | None = None  # the watchdog stopped on it
         self._placement: Placement | None = None
         self._pg = None
 
@@ -86,15 +91,23 @@ class ActorPool:
         return ActorCall(slot, slot.generation, control(slot.handle, method).remote(*args))
 
     def call_all(
-        self, slots: list[ActorSlot], method: str, args: tuple, what: str, timeout: float | None = None
+        self,
+        slots: list[ActorSlot],
+        method: str,
+        args: tuple,
+        what: str,
+        timeout: float | None = None,
+        kill_hung: bool = False,
     ) -> list[tuple[ActorSlot, object]]:
-        """`method(*args)` on every slot's actor: (slot, result or exception) per slot, under one deadline."""
-        return self.collect([self.call(s, method, *args) for s in slots], what, timeout)
+        """`method(*args)` on every slot's actor: (slot, result or exception) per slot, as `collect` gives them."""
+        return self.collect([self.call(s, method, *args) for s in slots], what, timeout, kill_hung=kill_hung)
 
-    def collect(self, calls: list[ActorCall], what: str, timeout: float | None = None) -> list:
+    def collect(self, calls: list[ActorCall], what: str, timeout: float | None = None, kill_hung: bool = False) -> list:
         """`(slot, result or exception)` per call, all bounded by one deadline
         (`timeout`, else `timeout_s`); a dead actor's calls come back as
-        `ActorGone` and start its replacement."""
+        `ActorGone` and start its replacement. A call past the deadline comes
+        back as `TimeoutError`, or with `kill_hung` its actor is hung: it is
+        killed and replaced, and the call comes back as `ActorGone`."""
         ray = ray_module()
         limit = timeout or self.timeout_s
         deadline = time.monotonic() + limit
@@ -103,7 +116,12 @@ class ActorPool:
             try:
                 out.append((slot, ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))))
             except ray.exceptions.GetTimeoutError:
-                out.append((slot, TimeoutError(f"{slot.label} did not answer within {limit} s while {what}")))
+                silence = f"did not answer within {limit} s while {what}"
+                if kill_hung:
+                    self.kill(slot, f"hung: {silence}", generation, "hung")
+                    out.append((slot, ActorGone(f"{slot.label} {silence}; it was killed and is being replaced")))
+                else:
+                    out.append((slot, TimeoutError(f"{slot.label} {silence}")))
             except ray.exceptions.RayActorError as e:
                 self.actor_died(slot, generation, f"died while {what}")
                 out.append((slot, ActorGone(f"{slot.label} died while {what}: {e}")))
@@ -123,12 +141,38 @@ class ActorPool:
             if slot.generation != generation or slot.state not in ("alive", "starting") or self._closed:
                 return
             slot.state, slot.load, slot.error = "restarting", 0, why
+            slot.replacements += 1
+            slot.replaced_because = why
+        log.warning("%s %s; replacing it", slot.label, why)
         threading.Thread(target=self._respawn, args=(slot,), name=f"rollout-respawn-{slot.index}", daemon=True).start()
 
-    def kill(self, slot: ActorSlot, why: str) -> None:
-        """Kill `slot`'s actor (a faulty one) and replace it."""
-        ray_module().kill(slot.handle, no_restart=True)
-        self.actor_died(slot, slot.generation, why)
+    def kill(self, slot: ActorSlot, why: str, generation: int | None = None, fault: str | None = None) -> None:
+        """Kill `slot`'s actor of `generation` (default: its current one), a
+        faulty one, its process included (`terminate`), and replace it;
+        `fault` ("hung" or "stalled") is counted in `health()`. An actor
+        replaced already is left alone."""
+        with self.cond:
+            generation = slot.generation if generation is None else generation
+            if slot.generation != generation or slot.state not in ("alive", "starting") or self._closed:
+                return
+            handle, pid, node = slot.handle, slot.pid, slot.node
+            if fault == "hung":
+                slot.hangs += 1
+            elif fault == "stalled":
+                slot.stalls += 1
+        terminate(handle, pid, node)
+        self.actor_died(slot, generation, why)
+
+    def serving(self, slot: ActorSlot, generation: int) -> bool:
+        """Whether the actor of `generation` still serves in `slot` (not dead, hung or replaced)."""
+        with self.cond:
+            return slot.generation == generation and slot.state == "alive"
+
+    def watchdog_failed(self, error: BaseException) -> None:
+        """The watchdog stopped on `error`: every later public call raises it (`check_open`)."""
+        with self.cond:
+            self._watchdog_error = error
+            self.cond.notify_all()
 
     def _respawn(self, slot: ActorSlot) -> None:
         """Replace `slot`'s actor with one that loads `gate.latest`, every push
@@ -154,6 +198,7 @@ class ActorPool:
                 with self.cond:
                     slot.state, slot.error = "dead", f"replacement failed to start: {e}"
                     self.cond.notify_all()
+                log.warning("%s: %s", slot.label, slot.error)
                 return
             with self.cond:
                 slot.handle, slot.pid, slot.state, slot.load = handle, desc["pid"], "alive", 0
@@ -205,16 +250,26 @@ class ActorPool:
                 self.cond.wait(left)
 
     def health(self) -> list[dict]:
-        """Per actor: index, state, pid, dispatched load, and what the actor reports of itself."""
+        """Per actor: index, state, pid, dispatched load, what the actor reports
+        of itself, and its position's faults: replacements and why the last
+        one, hangs and stalls the watchdog found. The live actors are asked
+        at once, under one deadline of `min(timeout_s, 30)` s; one that does
+        not answer is `unreachable`."""
         ray = ray_module()
         with self.cond:
             slots = list(self.slots)
+            alive = {s.index: s.handle for s in slots if s.state == "alive"}
+        calls = {index: control(handle, "health").remote() for index, handle in alive.items()}
+        deadline = time.monotonic() + min(self.timeout_s, 30.0)
         report = []
         for slot in slots:
             entry = {"index": slot.index, "state": slot.state, "pid": slot.pid, "load": slot.load}
-            if slot.state == "alive":
+            entry.update(replacements=slot.replacements, hangs=slot.hangs, stalls=slot.stalls)
+            if slot.replaced_because:
+                entry["replaced_because"] = slot.replaced_because
+            if slot.index in calls:
                 try:
-                    entry.update(ray.get(control(slot.handle, "health").remote(), timeout=min(self.timeout_s, 30.0)))
+                    entry.update(ray.get(calls[slot.index], timeout=max(0.0, deadline - time.monotonic())))
                 except Exception as e:
                     entry["state"], entry["error"] = "unreachable", str(e).splitlines()[0]
             elif slot.error:
@@ -233,9 +288,11 @@ class ActorPool:
         return self._closed
 
     def check_open(self) -> None:
-        """Raise `ClosedError` once the pool is shut down."""
+        """Raise `ClosedError` once the pool is shut down, or the error the watchdog stopped on."""
         if self._closed:
             raise ClosedError("the rollout cluster is shut down; call rollout.init(...) again")
+        if self._watchdog_error is not None:
+            raise RuntimeError(f"the rollout watchdog stopped: {self._watchdog_error}") from self._watchdog_error
 
     def shutdown(self) -> bool:
         """Stop every actor and release the placement group; False if it was shut down already."""

@@ -25,6 +25,10 @@ class ActorSlot:
     load: int = 0  # outstanding work dispatched to it (samples x max_tokens)
     pid: int | None = None
     error: str | None = None  # why it is dead
+    replacements: int = 0  # times the position's actor was replaced (died, hung, stalled, failed a commit)
+    replaced_because: str | None = None  # why it was last replaced
+    hangs: int = 0  # actors of this position the watchdog found hung
+    stalls: int = 0  # actors of this position the watchdog found stalled
 
     @property
     def label(self) -> str:

@@ -33,6 +33,7 @@ from .pushes import WeightPushes
 from .ray_runtime import connect, ray_module
 from .sessions import ClusterSessions, ClusterTurns
 from .streams import start_stream
+from .watchdog import HangBounds, Watchdog
 from .wire_send import DEFAULT_BUCKET_BYTES, BucketPacker
 
 
@@ -40,9 +41,21 @@ class RolloutCluster:
     """`num_actors` rollout actors, each owning one `Engine`.
 
     Bad arguments raise `ValueError`/`TypeError` before any actor starts.
-    `timeout_s` bounds every control call (start, pushes, health);
-    `stall_timeout_s` bounds how long an actor may produce no output while
-    generating. `generate_concurrency`: generate calls one actor runs at once
+    `timeout_s` bounds every control call (start, pushes, health); an actor
+    that does not answer one of a push in time is hung: it is killed and
+    replaced. `stall_timeout_s` bounds a session turn, the gap between a
+    token stream's tokens and a `drain` commit.
+
+    A watchdog on the driver pings every live actor every `ping_interval_s`;
+    one that answers no ping within `liveness_timeout_s` is hung, one that
+    holds work and completes no engine step for `progress_timeout_s` is
+    stalled. Either is killed and replaced as if it had died: its prompts
+    are generated elsewhere, its sessions' turns run again elsewhere, a push
+    commits without it and its replacement loads that push (see
+    `rollout.cluster.watchdog` and docs/cluster.md). A generation sets no
+    other bound on an actor's silence.
+
+    `generate_concurrency`: generate calls one actor runs at once
     (their sequences share batches; more queue). Every such call runs on its
     own thread with its own scratch memory, so many threads make an actor's
     memory grow while serving no more calls than a few. Extra keywords go to
@@ -61,6 +74,9 @@ class RolloutCluster:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 300.0,
         stall_timeout_s: float = 600.0,
+        ping_interval_s: float = 5.0,
+        liveness_timeout_s: float = 30.0,
+        progress_timeout_s: float = 60.0,
         generate_concurrency: int = 4,
         session_concurrency: int = 32,
         ray_init_kwargs: dict | None = None,
@@ -71,6 +87,7 @@ class RolloutCluster:
         )
         timeout_s = check_positive("timeout_s", timeout_s)
         stall_timeout_s = check_positive("stall_timeout_s", stall_timeout_s)
+        bounds = HangBounds(ping_interval_s, liveness_timeout_s, progress_timeout_s)
         if Path(model_path).exists():
             ModelConfig.from_dir(model_path)  # a bad checkpoint fails here, before any actor starts
         packer = BucketPacker(bucket_bytes)
@@ -80,6 +97,7 @@ class RolloutCluster:
         gate = PushGate()
         threads = (generate_concurrency, session_concurrency)
         self._pool = ActorPool(self.model_path, dict(engine_kwargs), threads, timeout_s, gate)
+        self._watchdog = Watchdog(self._pool, bounds)
         # A turn's only output is the turn itself: it may go as long without one as a generate stream.
         self._sessions = ClusterSessions(self._pool, stall_timeout_s, num_actors * session_concurrency)
         self._pushes = WeightPushes(self._pool, packer, self._versions, gate, stall_timeout_s)
@@ -89,11 +107,12 @@ class RolloutCluster:
         except BaseException:
             self.shutdown()
             raise
+        self._watchdog.start()
         self._limits = desc["limits"]
         self.engine_dtype: torch.dtype = getattr(torch, desc["dtype"])
         tok = desc["tokenizer_json"]
         self._codec = TextCodec.from_json(tok, desc["eos_token_ids"], desc["chat"]) if tok else None
-        self._dispatch = GenerationDispatch(self._pool, self._limits, self._codec, stall_timeout_s)
+        self._dispatch = GenerationDispatch(self._pool, self._limits, self._codec)
 
     # -- generation ------------------------------------------------------------------------
     def generate(
@@ -178,7 +197,9 @@ class RolloutCluster:
 
     # -- actors ----------------------------------------------------------------------------
     def health(self) -> list[dict]:
-        """Per actor: index, state, pid, version, dispatched load, and its engine's counters."""
+        """Per actor: index, state, pid, version, dispatched load, its engine's
+        counters, and its position's faults: `replacements`, `replaced_because`
+        (the last reason), and the `hangs` and `stalls` the watchdog found."""
         return self._pool.health()
 
     def step_logs(self, since: float | None = None) -> list[list]:
@@ -210,7 +231,8 @@ class RolloutCluster:
         return self._pool.engine_kwargs
 
     def shutdown(self) -> None:
-        """Stop every actor, release the placement group, and stop Ray if this cluster started it."""
+        """Stop the watchdog and every actor, release the placement group, and stop Ray if this cluster started it."""
+        self._watchdog.stop()
         self._sessions.shutdown()
         if self._pool.shutdown() and self._owns_ray:
             ray_module().shutdown()

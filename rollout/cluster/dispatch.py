@@ -1,6 +1,9 @@
 """Generation on the cluster: prompt groups dispatched to actors, balanced by
 outstanding work; outputs collected as they finish; the groups of an actor
-that dies re-dispatched to live ones, each delivered exactly once.
+that dies, or that the watchdog finds hung or stalled and replaces, are
+re-dispatched to live ones, each delivered exactly once. A generation sets no
+time limit of its own on an actor's silence: a long sample may take minutes
+to finish, and whether a silent actor still works is the watchdog's call.
 
 The dispatch never touches Ray: it works through the small `Pool` interface
 (`ActorPool` in the cluster), so its bookkeeping is testable with a fake."""
@@ -48,6 +51,9 @@ class Pool(Protocol):
     def actor_died(self, slot: ActorSlot, generation: int, why: str) -> None:
         """Report that `slot`'s actor of `generation` died (the pool replaces it)."""
 
+    def serving(self, slot: ActorSlot, generation: int) -> bool:
+        """Whether `slot`'s actor of `generation` still serves (not dead, hung, stalled or replaced)."""
+
     def open_stream(
         self, actor: Any, label: str, indices: list[int], prompts: list, params: SamplingParams
     ) -> OutputStream:
@@ -83,15 +89,16 @@ class GenerationDispatch:
     """Generation over a pool of actors: validates prompts, balances groups,
     collects outputs, re-dispatches the groups of an actor that dies.
 
-    `limits` and `codec` validate prompts as an actor's engine would;
-    `stall_timeout_s` bounds how long an actor may produce no output.
+    `limits` and `codec` validate prompts as an actor's engine would. A
+    share's reader looks every `poll_s` seconds, while no output comes,
+    whether its actor still serves (`Pool.serving`).
     """
 
-    def __init__(self, pool: Pool, limits: PromptLimits, codec: TextCodec | None, stall_timeout_s: float) -> None:
+    def __init__(self, pool: Pool, limits: PromptLimits, codec: TextCodec | None, poll_s: float = 1.0) -> None:
         self._pool = pool
         self._limits = limits
         self._codec = codec
-        self._stall_timeout_s = stall_timeout_s
+        self._poll_s = poll_s
 
     def submit(self, prompts, params: SamplingParams | None = None) -> GenerationHandle:
         """Start generating and return at once; the handle gives `result()` and
@@ -139,16 +146,16 @@ class GenerationDispatch:
             ).start()
 
     def _consume(self, handle: GenerationHandle, prompts, params, share: _Share, stream: OutputStream) -> None:
-        """Deliver one share's outputs; on the actor's death, re-dispatch what it had not delivered."""
+        """Deliver one share's outputs; when its actor dies or is replaced
+        (hung, stalled), re-dispatch what it had not delivered."""
         remaining, cost = set(share.indices), params.n * params.max_tokens
         try:
             while remaining:
-                out = stream.next(self._stall_timeout_s)
+                out = stream.next(self._poll_s)
                 if out is None:
-                    raise TimeoutError(
-                        f"{share.slot.label} produced no output for {self._stall_timeout_s} s while generating "
-                        f"prompts {sorted(remaining)[:8]}"
-                    )
+                    if not self._pool.serving(share.slot, share.generation):
+                        raise ActorGone(f"{share.slot.label} was replaced while generating prompts")
+                    continue
                 remaining.discard(out.index)
                 handle._deliver(out)
                 self._unload(share, cost)

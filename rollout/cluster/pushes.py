@@ -85,7 +85,7 @@ class WeightPushes:
         return self._finish(shipment, inflight)
 
     def _abort(self, push_id: str, slots: list[ActorSlot]) -> None:
-        self._pool.call_all(slots, "abort_push", (push_id,), "aborting a weight push")
+        self._pool.call_all(slots, "abort_push", (push_id,), "aborting a weight push", kill_hung=True)
 
     def _ship(self, state_dict, requested: int | None, push_id: str, slots: list[ActorSlot]) -> _Shipment:
         """Pack and put the buckets one by one, sending each to the actors as
@@ -114,7 +114,8 @@ class WeightPushes:
         """Phase one on every actor that received the push, then phase two
         where all accepted it; releases the push lock. Until the commit is
         sent, any way out (a rejection, an error, a KeyboardInterrupt) aborts
-        the push on every actor, so none keeps it staged."""
+        the push on every actor, so none keeps it staged. An actor that hangs
+        in either phase is killed and counts as gone, as one that died."""
         try:
             try:
                 ready = self._prepare(shipment)
@@ -122,16 +123,18 @@ class WeightPushes:
                 if not self._pool.closed:
                     self._abort(shipment.push_id, shipment.slots)
                 raise
+            previous = self._gate.latest
             self._gate.publish(shipment.manifest, shipment.version, shipment.refs)
-            self._commit(ready, shipment.push_id, shipment.version, inflight)
+            self._commit(ready, shipment, previous, inflight)
             return shipment.version
         finally:
             self._gate.lock.release()
 
     def _prepare(self, shipment: _Shipment) -> list[ActorSlot]:
-        """The actors that received and prepared the push; raises the first rejection."""
+        """The actors that received and prepared the push; raises the first
+        rejection, or when every actor it started on was lost."""
         version, push_id = shipment.version, shipment.push_id
-        staged = self._pool.collect(shipment.calls, f"receiving weight push v{version}")
+        staged = self._pool.collect(shipment.calls, f"receiving weight push v{version}", kill_hung=True)
         received = received_per_actor(shipment.slots, staged, shipment.roles)
         prepared = self._pool.collect(
             [
@@ -140,36 +143,48 @@ class WeightPushes:
                 if not isinstance(todo, BaseException)
             ],
             f"preparing weight push v{version}",
+            kill_hung=True,
         )
         results = [(s, r) for s, r in received if isinstance(r, BaseException)] + prepared
         rejected = [(s, r) for s, r in results if isinstance(r, BaseException) and not isinstance(r, ActorGone)]
         if rejected:
             raise _rejection(*rejected[0], version)
-        return [s for s, r in results if not isinstance(r, BaseException)]
+        ready = [s for s, r in results if not isinstance(r, BaseException)]
+        if shipment.slots and not ready:  # every actor it started on died or hung: nobody vouches for it
+            raise _all_lost(results, version, "prepared", self._versions.version)
+        return ready
 
-    def _commit(self, ready: list[ActorSlot], push_id: str, version: int, inflight: str) -> None:
-        """Phase two on `ready`, then the cluster's version moves to `version`.
+    def _commit(self, ready: list[ActorSlot], shipment: _Shipment, previous, inflight: str) -> None:
+        """Phase two on `ready`, then the cluster's version moves to the push's.
         Sent commits cannot be called back: when the wait for them is
         interrupted, it waits for them once more before the interrupt goes
         on, so the cluster's version still says what the actors serve."""
         timeout = self._pool.timeout_s
         if inflight == "drain":  # the commit waits for the generation in flight to finish
             timeout = max(timeout, self._stall_timeout_s)
-        calls = [self._pool.call(s, "commit_push", push_id, version, inflight) for s in ready]
+        version = shipment.version
+        calls = [self._pool.call(s, "commit_push", shipment.push_id, version, inflight) for s in ready]
         what = f"committing weight push v{version} ({inflight})"
         try:
-            committed = self._pool.collect(calls, what, timeout)
+            committed = self._pool.collect(calls, what, timeout, kill_hung=True)
         except BaseException:
-            self._settle(self._pool.collect(calls, what, timeout), version)
+            self._settle(self._pool.collect(calls, what, timeout, kill_hung=True), shipment, previous)
             raise
-        self._settle(committed, version)
+        self._settle(committed, shipment, previous)
 
-    def _settle(self, committed: list, version: int) -> None:
+    def _settle(self, committed: list, shipment: _Shipment, previous) -> None:
+        """After phase two: an actor that failed its commit is replaced (its
+        replacement loads the published push); when every actor was lost, the
+        push is unpublished and raises, else the cluster's version moves."""
+        version = shipment.version
         for slot, result in committed:
             if isinstance(result, BaseException) and not isinstance(result, ActorGone):
                 # Validated already, so this is a fault: replace the actor; the
                 # replacement loads the published version, keeping all actors equal.
                 self._pool.kill(slot, f"failed to commit weight push v{version}: {result}")
+        if shipment.slots and all(isinstance(r, BaseException) for _, r in committed):
+            self._gate.latest = previous  # their replacements, waiting for the lock, load the version before
+            raise _all_lost(committed, version, "committed", self._versions.version)
         self._versions.commit(version)
 
 
@@ -202,6 +217,15 @@ def received_per_actor(slots: list[ActorSlot], results: list, roles: list[Verify
             if isinstance(result, ActorGone):
                 orphans[slot.node].add(VerifyShare(*role))
     return [(s, failed.get(s.index) or tuple(sorted(orphans[s.node]))) for s in slots]
+
+
+def _all_lost(results: list, version: int, phase: str, current: int) -> RuntimeError:
+    """The error of a push that every actor it started on was lost to (dead, or hung and killed)."""
+    why = "; ".join(str(r).splitlines()[0] for _, r in results if isinstance(r, BaseException))
+    return RuntimeError(
+        f"no actor {phase} weight push v{version}: every actor it went to died or hung ({why}); "
+        f"the cluster stays at version {current} and its replacements load that"
+    )
 
 
 def _rejection(slot: ActorSlot, error: BaseException, version: int) -> BaseException:

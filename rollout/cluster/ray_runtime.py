@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,6 +222,7 @@ def bundle_nodes(pg) -> dict[int, str]:
 CONTROL = "control"  # pushes, health, logs: never queued behind generation
 GENERATE = "generate"
 SESSIONS = "sessions"
+LIVENESS = "liveness"  # the watchdog's pings: never queued behind anything, so silence means a hang
 
 
 def create_actor(
@@ -231,14 +233,14 @@ def create_actor(
     at once: their sequences share the engine's batches), and a small
     separate pool for control calls, so a weight push is never stuck behind
     long generations. Bounding the threads also bounds memory: every thread
-    that runs torch keeps scratch buffers."""
+    that runs torch keeps scratch buffers. One more thread answers only the
+    watchdog's pings (`progress`), so a busy control pool never looks hung."""
     ray = ray_module()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     # Concurrency groups can only be declared when the class is made remote.
-    remote_cls = ray.remote(
-        max_concurrency=2, concurrency_groups={CONTROL: 4, GENERATE: generate_threads, SESSIONS: session_threads}
-    )(worker_cls)
+    groups = {CONTROL: 4, GENERATE: generate_threads, SESSIONS: session_threads, LIVENESS: 1}
+    remote_cls = ray.remote(max_concurrency=2, concurrency_groups=groups)(worker_cls)
     return remote_cls.options(
         num_cpus=placement.cpus,
         num_gpus=placement.gpus,
@@ -250,6 +252,23 @@ def create_actor(
 def control(handle, method: str):
     """`handle.method` bound to the control thread pool."""
     return getattr(handle, method).options(concurrency_group=CONTROL)
+
+
+def ping(handle):
+    """Start the actor's `progress` call on its liveness thread; returns the call's object ref."""
+    return handle.progress.options(concurrency_group=LIVENESS).remote()
+
+
+def terminate(handle, pid: int | None, node: str) -> None:
+    """End an actor for good: through Ray, and with SIGKILL when its process
+    runs on this machine (a stopped or hung process may never act on Ray's
+    request to exit). Errors of an actor already gone are ignored."""
+    ray = ray_module()
+    with contextlib.suppress(Exception):
+        ray.kill(handle, no_restart=True)
+    if pid is not None and node and node == local_node():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class ActorStream:

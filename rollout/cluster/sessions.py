@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from ..tokenizer import TextCodec
 from .actor_slots import ActorGone, ActorSlot, unwrap
 from .dispatch import Pool
 from .ray_runtime import SESSIONS, control, ray_module
+
+POLL_S = 1.0  # while a turn runs, how often its waiter asks whether the actor still serves
 
 
 class ClusterSessions:
@@ -68,17 +71,27 @@ class ClusterSessions:
         with self.pool.cond:
             self._pins[slot.index] -= 1
 
-    def run_turn(self, slot: ActorSlot, ref) -> Sample:
-        """Wait for the turn `ref` (`TurnCall.start`) on `slot`'s actor. Raises
-        `ActorGone` when the actor died, `TimeoutError` past `turn_timeout_s`,
-        else the actor's own error as it was raised there."""
+    def run_turn(self, slot: ActorSlot, generation: int, ref) -> Sample:
+        """Wait for the turn `ref` (`TurnCall.start`) on `slot`'s actor of
+        `generation`. Raises `ActorGone` when the actor died or was replaced
+        (the watchdog found it hung or stalled), `TimeoutError` past
+        `turn_timeout_s`, else the actor's own error as it was raised there."""
         ray = ray_module()
+        deadline = time.monotonic() + self.turn_timeout_s
         try:
-            return ray.get(ref, timeout=self.turn_timeout_s)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{slot.label} did not finish a session turn within {self.turn_timeout_s} s")
+                try:
+                    return ray.get(ref, timeout=min(left, POLL_S))
+                except ray.exceptions.GetTimeoutError:
+                    if not self.pool.serving(slot, generation):
+                        raise ActorGone(f"{slot.label} was replaced while running a session turn") from None
         except ray.exceptions.RayActorError as e:
             raise ActorGone(f"{slot.label} died while running a session turn: {e}") from e
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"{slot.label} did not finish a session turn within {self.turn_timeout_s} s") from None
+        except (ActorGone, TimeoutError):
+            raise
         except Exception as e:  # the actor's own error, raised in its process
             raise unwrap(e) from None
 
@@ -181,7 +194,7 @@ class ClusterTurns:
                     ref = call.start(slot, self.session_id, token_ids, params)
                     if ref is None:
                         return unstarted_sample(params.top_logprobs, self.codec is not None)
-                    return self._sessions.run_turn(slot, ref)
+                    return self._sessions.run_turn(slot, generation, ref)
                 except ActorGone:
                     pool.actor_died(slot, generation, "died while running a session turn")
                 finally:

@@ -253,6 +253,10 @@ class Engine(WeightsAPI):
             "kv_pages_leased": self.scheduler.kv.leases.num_pages,
         }
 
+    @property
+    def num_steps(self) -> int:  # steps completed by any thread, read without the guard: a progress counter
+        return self._step_log.count
+
     def step_log(self, since: float | None = None) -> list[StepInfo]:
         """The most recent steps (up to 8192), oldest first: when each ended, its
         duration, version and sizes; only those ending after `since` (a

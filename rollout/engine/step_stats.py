@@ -63,10 +63,12 @@ class StepLog:
     def __init__(self, size: int = STEP_LOG_SIZE) -> None:
         self._steps: deque[StepInfo] = deque(maxlen=size)
         self._lock = threading.Lock()  # appends come from several generating threads at once
+        self.count = 0  # steps recorded since the log was made, never reset: a progress counter
 
     def record(self, info: StepInfo) -> None:
         with self._lock:
             self._steps.append(info)
+            self.count += 1
 
     def since(self, since: float | None = None) -> list[StepInfo]:
         """The logged steps in order of their end, only those ending after `since` when given.

@@ -49,8 +49,8 @@ def stop_once_staged(folder: Path) -> None:
         buckets.append(sum(segment.nbytes for segment in value))
         return put(value, **kwargs)
 
-    def collect_then_stop(self, calls, what, timeout=None):
-        out = collect(self, calls, what, timeout)
+    def collect_then_stop(self, calls, what, timeout=None, **kwargs):
+        out = collect(self, calls, what, timeout, **kwargs)
         if what.startswith("receiving weight push"):
             report(folder, "staged", buckets=buckets, received=[repr(r) for _, r in out])
             threading.Event().wait()  # until killed

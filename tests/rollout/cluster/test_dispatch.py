@@ -19,7 +19,7 @@ from rollout.sampling_params import SamplingParams
 
 LIMITS = PromptLimits(vocab_size=100, max_seq_len=256, max_batch_size=16, page_size=16, num_pages=64)
 PARAMS = SamplingParams(n=2, max_tokens=5)  # every prompt adds 2 x 5 = 10 to its actor's load
-STALL = object()  # put into a stream: it reports no output within the stall timeout
+STALL = object()  # put into a stream: it reports no output within the poll interval
 WAIT = 10.0  # bound of every wait: reached only when a test fails
 
 
@@ -88,6 +88,7 @@ class FakePool:
         self.cond = NotifyingCondition()
         self.slots = [ActorSlot(i, FakeActor(i), state="alive", load=n, pid=100 + i) for i, n in enumerate(loads)]
         self.deaths: list[tuple[int, int, str]] = []
+        self.serving_checks = 0  # times a reader asked whether its actor still serves
 
     def check_open(self) -> None:
         pass
@@ -107,6 +108,11 @@ class FakePool:
             if slot.generation == generation:
                 slot.state, slot.load = "restarting", 0
 
+    def serving(self, slot: ActorSlot, generation: int) -> bool:
+        with self.cond:
+            self.serving_checks += 1
+            return slot.generation == generation and slot.state == "alive"
+
     def open_stream(self, actor: FakeActor, label, indices, prompts, params) -> FakeStream:
         return actor.open(indices, prompts, params)
 
@@ -125,7 +131,7 @@ class FakePool:
 
 
 def dispatch(pool: FakePool) -> GenerationDispatch:
-    return GenerationDispatch(pool, LIMITS, None, stall_timeout_s=60.0)
+    return GenerationDispatch(pool, LIMITS, None)
 
 
 def prompts(*lengths: int) -> list[list[int]]:
@@ -214,15 +220,25 @@ def test_an_actors_own_error_fails_the_generation_with_its_cause():
     pool.wait_loads([0, 0])
 
 
-def test_a_stalled_actor_times_out_naming_its_prompts():
-    pool = FakePool([0])
-    handle = dispatch(pool).submit(prompts(3, 4, 5), PARAMS)
-    stream = pool.actor(0).stream(0)
-    stream.emit(2)
-    stream.items.put(STALL)
-    with pytest.raises(TimeoutError, match=r"actor 0 \(pid 100\) produced no output for 60.0 s .* prompts \[0, 1\]"):
-        handle.result(WAIT)
-    assert pool.loads() == [0]
+def test_a_silent_actor_is_waited_on_until_it_is_replaced_then_its_prompts_move():
+    pool = FakePool([0, 0])
+    handle = dispatch(pool).submit(prompts(3, 4, 5, 6), PARAMS)
+    silent, other = pool.actor(0).stream(0), pool.actor(1).stream(0)
+    silent.emit(silent.indices[0])
+    silent.items.put(STALL)  # no output for a while, but the actor still serves: the reader waits on
+    other.emit_all()
+    with pool.cond:
+        assert pool.cond.wait_for(lambda: pool.serving_checks == 1, WAIT)
+    assert not handle.done() and pool.deaths == []
+    pool.actor_died(pool.slots[0], 0, "hung: answered no liveness ping")  # the watchdog's verdict
+    silent.items.put(STALL)  # the next silence finds it replaced
+    moved = pool.actor(1).stream(1)
+    assert moved.indices == silent.indices[1:]
+    moved.emit_all()
+    outs = handle.result(WAIT)
+    assert [o.index for o in outs] == [0, 1, 2, 3]
+    assert [o.samples[0].token_ids for o in outs] == [[0] if i == silent.indices[0] else [1] for i in range(4)]
+    pool.wait_loads([0, 0])
 
 
 def _take(handle, k: int) -> list[RolloutOutput]:
@@ -233,7 +249,7 @@ def _take(handle, k: int) -> list[RolloutOutput]:
 
 def test_abort_reaches_every_share_and_regenerates_nothing_after_a_death():
     pool = FakePool([0, 0])
-    dispatch = GenerationDispatch(pool, LIMITS, None, stall_timeout_s=WAIT)
+    dispatch = GenerationDispatch(pool, LIMITS, None)
     handle = dispatch.submit([[1, 2], [3, 4]], PARAMS)
     dead, alive = pool.actor(0).stream(0), pool.actor(1).stream(0)
     handle.abort()

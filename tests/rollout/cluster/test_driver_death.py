@@ -162,14 +162,14 @@ def interrupt_at(monkeypatch, cluster, point: str) -> None:
     what = {"received": "receiving", "prepared": "preparing", "committing": "committing"}[point]
     real_collect, fired = cluster._pool.collect, []
 
-    def collect(calls, doing, timeout=None):
+    def collect(calls, doing, timeout=None, **kwargs):
         if doing.startswith(what) and not fired:
             fired.append(doing)
             if point == "committing":  # the commit calls are on their way; the driver stops waiting
                 raise KeyboardInterrupt
-            real_collect(calls, doing, timeout)  # every actor has done this phase
+            real_collect(calls, doing, timeout, **kwargs)  # every actor has done this phase
             raise KeyboardInterrupt
-        return real_collect(calls, doing, timeout)
+        return real_collect(calls, doing, timeout, **kwargs)
 
     monkeypatch.setattr(cluster._pool, "collect", collect)
 

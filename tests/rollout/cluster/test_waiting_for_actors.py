@@ -90,7 +90,7 @@ def test_a_stream_cancelled_while_no_actor_is_alive_never_starts():
 def test_a_generation_aborted_while_it_waits_to_run_again_never_starts():
     actor = FakeActor(0)
     pool = FakeActorPool([actor])
-    handle = GenerationDispatch(pool, LIMITS, None, stall_timeout_s=WAIT).submit([[1, 2], [3, 4]], PARAMS)
+    handle = GenerationDispatch(pool, LIMITS, None).submit([[1, 2], [3, 4]], PARAMS)
     first = actor.stream(0)
     first.emit(0)
     first.items.put(ActorGone("actor 0 died"))
