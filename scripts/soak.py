@@ -41,6 +41,7 @@ def print_report(report: SoakReport) -> None:
         f"resident memory growth (first to last quarter): driver {100 * report.driver_rss_growth:+.1f}%, "
         f"worst actor {100 * report.actor_rss_growth:+.1f}%"
     )
+    print(f"watchdog (replacements, hangs, stalls per actor): {report.watchdog_faults}")
     print(f"last push serves exactly: {report.final_exact}; problems: {len(report.errors)}")
     for problem in report.errors[:10]:
         print("  " + problem)

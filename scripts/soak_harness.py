@@ -34,6 +34,7 @@ class SoakReport:
     actor_rss_growth: float = 0.0  # the worst actor's
     final_exact: bool = False  # the last push serves exactly as a fresh engine with those weights
     rss_series: dict = field(default_factory=dict)  # "driver" and actor pids -> resident bytes, every 0.5 s
+    watchdog_faults: dict = field(default_factory=dict)  # actor index -> replacements, hangs, stalls at the end
 
     @property
     def ok(self) -> bool:
@@ -124,6 +125,13 @@ def soak(
         (growth(v) for k, v in load.actor_rss.items() if isinstance(k, int) and len(v) >= 4), default=0.0
     )
     report.final_exact = final_push_serves_exactly(cluster, states[-1])
+    # Nothing hangs in a soak: any actor the watchdog replaced is a false detection.
+    report.watchdog_faults = {
+        h["index"]: {k: h.get(k, 0) for k in ("replacements", "hangs", "stalls")} for h in cluster.health()
+    }
+    for index, faults in report.watchdog_faults.items():
+        if any(faults.values()):
+            report.errors.append(f"actor {index} was replaced with nothing wrong: {faults}")
     return report
 
 

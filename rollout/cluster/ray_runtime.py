@@ -9,6 +9,8 @@ import json
 import math
 import os
 import signal
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,16 +261,42 @@ def ping(handle):
     return handle.progress.options(concurrency_group=LIVENESS).remote()
 
 
-def terminate(handle, pid: int | None, node: str) -> None:
-    """End an actor for good: through Ray, and with SIGKILL when its process
-    runs on this machine (a stopped or hung process may never act on Ray's
-    request to exit). Errors of an actor already gone are ignored."""
+def terminate(handle, pid: int | None, node: str, grace_s: float = 2.0) -> None:
+    """End an actor for good: through Ray, then, when its process runs on this
+    machine and is still there after `grace_s`, with SIGKILL (a stopped or hung
+    process may never act on Ray's request to exit; one that does exits as
+    Ray expects, without a worker-crash report). Returns at once; errors of an
+    actor already gone are ignored."""
     ray = ray_module()
     with contextlib.suppress(Exception):
         ray.kill(handle, no_restart=True)
     if pid is not None and node and node == local_node():
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+        threading.Thread(target=_kill_if_lingering, args=(pid, grace_s), name="rollout-terminate", daemon=True).start()
+
+
+def _kill_if_lingering(pid: int, grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not _running(pid):
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    if not os.path.isdir("/proc"):  # no procfs: ask the process table (a zombie counts as running)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 class ActorStream:
