@@ -19,6 +19,7 @@ from .actor_slots import ActorCall, ActorGone, ActorSlot, Published, PushGate, u
 from .ray_runtime import (
     ActorStream,
     Placement,
+    actor_process,
     bundle_nodes,
     control,
     create_actor,
@@ -30,6 +31,10 @@ from .ray_runtime import (
 )
 
 log = logging.getLogger("rollout.cluster")
+
+# Tries to start a replacement before its position is dead for good; each one
+# that fails or hangs while loading is killed, its process included, first.
+START_TRIES = 3
 
 
 class ActorPool:
@@ -177,34 +182,63 @@ class ActorPool:
     def _respawn(self, slot: ActorSlot) -> None:
         """Replace `slot`'s actor with one that loads `gate.latest`, every push
         since the checkpoint composed, and checks it holds them before it
-        answers (`RolloutWorker`); it serves once it reports their version."""
+        answers (`RolloutWorker`); it serves once it reports their version.
+        A replacement that fails to start or does not describe itself within
+        `timeout_s` is killed and another started, `START_TRIES` in all;
+        then the position is dead."""
         ray = ray_module()
-        handle = None
         with self._gate.lock:  # the replacement serves only after loading the latest push
             if self._closed:
                 return
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(slot.handle, no_restart=True)
-            except Exception:  # already gone
-                pass
             published = self._gate.latest
-            try:
-                handle = self._spawn(slot.index, published)
-                desc = ray.get(control(handle, "describe").remote(), timeout=self.timeout_s)
-                _check_loaded(desc, published)
-            except Exception as e:
-                with contextlib.suppress(Exception):  # it must not linger in the slot's bundle
-                    ray.kill(handle, no_restart=True)
+            for attempt in range(1, START_TRIES + 1):
+                try:
+                    handle, desc = self._start(slot.index, published)
+                except Exception as e:
+                    self._failed_start(slot, f"replacement failed to start (try {attempt} of {START_TRIES}): {e}")
+                    if self._closed:
+                        return
+                    continue
                 with self.cond:
-                    slot.state, slot.error = "dead", f"replacement failed to start: {e}"
+                    slot.handle, slot.pid, slot.state, slot.load = handle, desc["pid"], "alive", 0
+                    slot.node = bundle_nodes(self._pg)[slot.index]  # a lost node's bundle moves elsewhere
+                    slot.generation += 1
                     self.cond.notify_all()
-                log.warning("%s: %s", slot.label, slot.error)
                 return
             with self.cond:
-                slot.handle, slot.pid, slot.state, slot.load = handle, desc["pid"], "alive", 0
-                slot.node = bundle_nodes(self._pg)[slot.index]  # a lost node's bundle moves elsewhere
-                slot.generation += 1
+                slot.state = "dead"
                 self.cond.notify_all()
+            log.warning("%s is dead: its replacement failed to start %d times", slot.label, START_TRIES)
+
+    def _start(self, index: int, published: Published | None) -> tuple:
+        """`(handle, description)` of a new actor in position `index` that
+        loaded `published` and described itself within `timeout_s`. One that
+        fails or stays silent is ended for good, its process found in Ray's
+        actor table (it has not told its pid yet) and killed, so it cannot
+        linger stopped in the position's bundle; then the error is raised."""
+        ray = ray_module()
+        handle = None
+        try:
+            handle = self._spawn(index, published)
+            desc = ray.get(control(handle, "describe").remote(), timeout=self.timeout_s)
+            _check_loaded(desc, published)
+            return handle, desc
+        except ray.exceptions.GetTimeoutError:
+            terminate(handle, *actor_process(handle))
+            silent = f"it did not load and describe itself within {self.timeout_s} s; it was killed"
+            raise TimeoutError(silent) from None
+        except Exception:
+            if handle is not None:
+                terminate(handle, *actor_process(handle))
+            raise
+
+    def _failed_start(self, slot: ActorSlot, why: str) -> None:
+        with self.cond:
+            slot.error = slot.failed_start_because = why
+            slot.failed_starts += 1
+        log.warning("%s: %s", slot.label, why)
 
     # -- state ------------------------------------------------------------------------------
     def alive(self) -> list[ActorSlot]:
@@ -252,7 +286,8 @@ class ActorPool:
     def health(self) -> list[dict]:
         """Per actor: index, state, pid, dispatched load, what the actor reports
         of itself, and its position's faults: replacements and why the last
-        one, hangs and stalls the watchdog found. The live actors are asked
+        one, hangs and stalls the watchdog found, replacements that failed to
+        start and why the last one did. The live actors are asked
         at once, under one deadline of `min(timeout_s, 30)` s; one that does
         not answer is `unreachable`."""
         ray = ray_module()
@@ -265,8 +300,11 @@ class ActorPool:
         for slot in slots:
             entry = {"index": slot.index, "state": slot.state, "pid": slot.pid, "load": slot.load}
             entry.update(replacements=slot.replacements, hangs=slot.hangs, stalls=slot.stalls)
+            entry["failed_starts"] = slot.failed_starts
             if slot.replaced_because:
                 entry["replaced_because"] = slot.replaced_because
+            if slot.failed_start_because:
+                entry["failed_start_because"] = slot.failed_start_because
             if slot.index in calls:
                 try:
                     entry.update(ray.get(calls[slot.index], timeout=max(0.0, deadline - time.monotonic())))

@@ -29,6 +29,8 @@ class ActorSlot:
     replaced_because: str | None = None  # why it was last replaced
     hangs: int = 0  # actors of this position the watchdog found hung
     stalls: int = 0  # actors of this position the watchdog found stalled
+    failed_starts: int = 0  # replacements that failed to start or hung while loading, each killed
+    failed_start_because: str | None = None  # why the last one failed
 
     @property
     def label(self) -> str:

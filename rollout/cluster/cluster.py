@@ -199,7 +199,9 @@ class RolloutCluster:
     def health(self) -> list[dict]:
         """Per actor: index, state, pid, version, dispatched load, its engine's
         counters, and its position's faults: `replacements`, `replaced_because`
-        (the last reason), and the `hangs` and `stalls` the watchdog found."""
+        (the last reason), the `hangs` and `stalls` the watchdog found, and
+        `failed_starts` (replacements killed because they failed to start or
+        hung while loading) with `failed_start_because`."""
         return self._pool.health()
 
     def step_logs(self, since: float | None = None) -> list[list]:

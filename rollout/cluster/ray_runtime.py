@@ -274,6 +274,20 @@ def terminate(handle, pid: int | None, node: str, grace_s: float = 2.0) -> None:
         threading.Thread(target=_kill_if_lingering, args=(pid, grace_s), name="rollout-terminate", daemon=True).start()
 
 
+def actor_process(handle) -> tuple[int | None, str]:
+    """The process id and Ray node id of the actor `handle`, from Ray's actor
+    table, which knows them once a worker process is leased for the actor,
+    before its constructor runs or answers; (None, "") when the table has
+    no process for it (through Ray Client, or before a worker is leased)."""
+    try:
+        from ray._private import state
+
+        info = state.actors(handle._actor_id.hex())
+    except Exception:  # a private table: without it, Ray's kill alone ends the actor
+        return None, ""
+    return (info.get("Pid") or None), info.get("Address", {}).get("NodeID", "")
+
+
 def _kill_if_lingering(pid: int, grace_s: float) -> None:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:

@@ -8,12 +8,15 @@ the replacement loads the latest push. A busy but healthy actor is left alone.
 Each drill arranges its moment with events, not timing: a step callback holds
 one actor (by pid) after each of its steps while a file names it, so the test
 knows the actor is mid-generation before it stops it; pushes are stopped at a
-chosen phase by stopping the actor just before the driver's call of it."""
+chosen phase by stopping the actor just before the driver's call of it; a
+replacement is stopped while it loads as soon as Ray's actor table names its
+process, before the driver asks it to describe itself."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import signal
 import threading
@@ -23,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from rollout import RolloutCluster, SamplingParams
+from rollout.cluster.ray_runtime import actor_process
 from rollout.cluster.watchdog import ActorWatch, HangBounds
 from tests.conftest import make_engine
 from tests.factories import _randomize
@@ -320,3 +324,99 @@ def test_a_busy_actor_with_slow_steps_and_a_long_prefill_is_not_killed(make_clus
     assert [(h["replacements"], h["hangs"], h["stalls"]) for h in health] == [(0, 0, 0), (0, 0, 0)]
     cluster.shutdown()
     assert not cluster._watchdog._thread.is_alive()  # shutdown stops the watchdog
+
+
+def _stop_first_replacement_while_it_loads(cluster) -> list[tuple[int, str]]:
+    """Make the pool's first replacement stop (SIGSTOP) as soon as Ray's actor
+    table names its process, before the pool asks it to describe itself, so
+    it never answers; returns the list its (pid, table state when stopped)
+    is added to. The actor itself is given no hook."""
+    pool, stopped_at = cluster._pool, []
+    real_spawn = pool._spawn
+
+    def spawn(index, published):
+        handle = real_spawn(index, published)
+        if not stopped_at:
+            deadline = time.monotonic() + 60
+            while (pid := actor_process(handle)[0]) is None:
+                assert time.monotonic() < deadline, "Ray's actor table never named the replacement's process"
+                time.sleep(0.002)
+            os.kill(pid, signal.SIGSTOP)
+            stopped_at.append((pid, _table_state(handle)))
+        return handle
+
+    pool._spawn = spawn
+    return stopped_at
+
+
+def _table_state(handle) -> str:
+    """The actor's state in Ray's actor table."""
+    from ray._private import state
+
+    return state.actors(handle._actor_id.hex())["State"]
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_a_replacement_that_hangs_while_loading_is_killed_and_started_again(make_cluster, policies):
+    cluster = make_cluster(timeout_s=15)
+    assert cluster.push_weights(policies[1].state_dict()) == 1  # a replacement loads v1 before it serves
+    pid = cluster._slots[0].pid
+    stopped_at = _stop_first_replacement_while_it_loads(cluster)
+    try:
+        with stopped(pid):  # the watchdog finds it hung and replaces it; the replacement is stopped
+            wait_until(lambda: cluster._slots[0].state != "alive")
+            cluster.wait_until_healthy(60)  # raises once the position is dead
+    finally:
+        release(*(p for p, _ in stopped_at))
+    [(replacement, state)] = stopped_at
+    assert state == "PENDING_CREATION"  # stopped in its constructor: loading the checkpoint and the push
+    wait_until(lambda: _gone(replacement), timeout=10)  # killed by the pool, not by the test's clean-up
+    entry = _actor(cluster, 0)
+    assert entry["state"] == "alive" and entry["pid"] not in (pid, replacement)
+    assert entry["replacements"] == 1 and entry["hangs"] == 1 and entry["replaced_because"].startswith("hung: ")
+    assert entry["failed_starts"] == 1
+    assert entry["failed_start_because"] == (
+        "replacement failed to start (try 1 of 3): it did not load and describe itself within 15 s; it was killed"
+    )
+    assert {h["version"] for h in cluster.health()} == {1}
+    outs = cluster.generate(PROMPTS * 2, PARAMS)
+    assert {v for o in outs for s in o.samples for v in s.versions} == {1}
+    assert_per_version(outs, policies)
+
+
+def test_a_position_whose_replacements_all_fail_to_start_is_dead_after_three_tries(make_cluster, policies):
+    cluster = make_cluster()
+    assert cluster.push_weights(policies[1].state_dict()) == 1
+    pool, handles = cluster._pool, []
+    real_spawn = pool._spawn
+
+    def spawn(index, published):  # each replacement commits the push under a wrong version: it must not serve
+        handles.append(real_spawn(index, dataclasses.replace(published, version=published.version + 7)))
+        return handles[-1]
+
+    pool._spawn = spawn
+    pid = cluster._slots[0].pid
+    pool.kill(cluster._slots[0], "killed by the test")
+    wait_until(lambda: cluster._slots[0].state == "dead", timeout=120)
+    entry = _actor(cluster, 0)
+    assert entry["replacements"] == 1 and entry["replaced_because"] == "killed by the test"
+    assert entry["failed_starts"] == 3 and len(handles) == 3
+    assert (
+        entry["error"]
+        == entry["failed_start_because"]
+        == ("replacement failed to start (try 3 of 3): it loaded version 8, not the published version 1")
+    )
+    wait_until(lambda: _gone(pid), timeout=10)
+    for handle in handles:  # every failed replacement is ended, its process included
+        wait_until(lambda h=handle: _table_state(h) == "DEAD" and _gone(actor_process(h)[0]), timeout=10)
+    outs = cluster.generate(PROMPTS, PARAMS)  # the live actor serves on
+    assert {v for o in outs for s in o.samples for v in s.versions} == {1}
+    assert _actor(cluster, 1)["state"] == "alive"
