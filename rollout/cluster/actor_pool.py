@@ -165,8 +165,9 @@ class ActorPool:
                 slot.hangs += 1
             elif fault == "stalled":
                 slot.stalls += 1
-        terminate(handle, pid, node)
+        # Marked first, so that `why` is what `health()` reports, not the error of a call the kill ends.
         self.actor_died(slot, generation, why)
+        terminate(handle, pid, node)
 
     def serving(self, slot: ActorSlot, generation: int) -> bool:
         """Whether the actor of `generation` still serves in `slot` (not dead, hung or replaced)."""

@@ -85,7 +85,8 @@ def _check(logits, p, *, candidates=triton_sampling.CANDIDATES, min_exact=1.0):
     sampled = p.temperature != 0
     assert not sampled.any() or exact[sampled].float().mean() >= min_exact, f"exact: {exact.tolist()}"
     assert torch.equal(tokens[compared], expected_tokens[compared]), (tokens, expected_tokens, exact)
-    torch.testing.assert_close(logprobs[compared], expected_logprobs[compared], rtol=1e-6, atol=2e-6)
+    # float32 logprobs; the definition's logsumexp may reduce in another order with another thread count.
+    torch.testing.assert_close(logprobs[compared], expected_logprobs[compared], rtol=1e-6, atol=1e-5)
     redo = (~exact).nonzero().squeeze(1)
     if len(redo):  # the caller's fallback: the definition on the flagged rows alone
         again_tokens, again_logprobs = _run(reference.sample, logits[redo], p.rows(redo))
