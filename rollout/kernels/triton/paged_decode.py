@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .paged_tiles import LOG2E, kv_offsets, load_kv, pow2, softmax_step
+from .paged_tiles import LOG2E, check_queries_and_pool, kv_offsets, load_kv, pow2, softmax_step
 
 BLOCK_N = 32  # keys per inner step (any page size: pages are looked up per key)
 MAX_SPLITS = 16  # beyond this the merge costs more than the extra parallelism gains
@@ -122,22 +122,7 @@ def default_num_splits(rows: int, kv_heads: int, device: torch.device) -> int:
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens, out) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"q must be [N, Hq, D] and k/v_cache [pages, page_size, Hkv, D], got {q.shape}, "
-            f"{k_cache.shape}, {v_cache.shape}"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != v_cache.dtype:
-        raise ValueError("k_cache and v_cache must be contiguous and share one dtype")
-    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
-        raise ValueError(
-            f"q {tuple(q.shape)} must share head_dim with the pool and hold a multiple of its "
-            f"{k_cache.shape[2]} kv heads"
-        )
-    if out.shape != q.shape or out.dtype != q.dtype or q.stride(2) != 1 or out.stride(2) != 1:
-        raise ValueError(
-            f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}; both contiguous in head_dim"
-        )
+    check_queries_and_pool(q, k_cache, v_cache, out, "N")
     if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
         raise ValueError(
             f"block_tables must be [N, W] and context_lens [N], got {tuple(block_tables.shape)}, "

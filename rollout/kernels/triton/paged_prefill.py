@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .paged_tiles import LOG2E, kv_offsets, load_kv, pow2, softmax_step
+from .paged_tiles import LOG2E, check_queries_and_pool, kv_offsets, load_kv, pow2, softmax_step
 
 BLOCK_N = 32  # keys per inner step
 TILE_ROWS = 64  # query rows (tokens x padded heads) per program, at least 16 for tl.dot
@@ -77,22 +77,7 @@ def paged_prefill_kernel(
 
 
 def _check(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, out) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"q must be [T, Hq, D] and k/v_cache [pages, page_size, Hkv, D], got {q.shape}, "
-            f"{k_cache.shape}, {v_cache.shape}"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != v_cache.dtype:
-        raise ValueError("k_cache and v_cache must be contiguous and share one dtype")
-    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
-        raise ValueError(
-            f"q {tuple(q.shape)} must share head_dim with the pool and hold a multiple of its "
-            f"{k_cache.shape[2]} kv heads"
-        )
-    if out.shape != q.shape or out.dtype != q.dtype or q.stride(2) != 1 or out.stride(2) != 1:
-        raise ValueError(
-            f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}; both contiguous in head_dim"
-        )
+    check_queries_and_pool(q, k_cache, v_cache, out, "T")
     chunks = block_tables.shape[0]
     if block_tables.dim() != 2 or any(t.shape != (chunks,) for t in (query_starts, query_lens, context_lens)):
         raise ValueError(

@@ -19,6 +19,27 @@ import triton.language as tl
 LOG2E = 1.0 / math.log(2.0)  # scores * scale * LOG2E are base-2 logits
 
 
+def check_queries_and_pool(q, k_cache, v_cache, out, rows: str) -> None:
+    """Raise `ValueError` unless q and out are `[rows, Hq, D]` alike, contiguous in D, and
+    k/v_cache one contiguous `[pages, page_size, Hkv, D]` pool layer with Hkv dividing Hq."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"q must be [{rows}, Hq, D] and k/v_cache [pages, page_size, Hkv, D], got {q.shape}, "
+            f"{k_cache.shape}, {v_cache.shape}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must be contiguous and share one dtype")
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(
+            f"q {tuple(q.shape)} must share head_dim with the pool and hold a multiple of its "
+            f"{k_cache.shape[2]} kv heads"
+        )
+    if out.shape != q.shape or out.dtype != q.dtype or q.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError(
+            f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}; both contiguous in head_dim"
+        )
+
+
 def pow2(n: int, least: int = 1) -> int:
     """The smallest power of two >= max(n, least): a block dimension covering n."""
     return max(triton.next_power_of_2(n), least)
