@@ -309,7 +309,7 @@ def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(") ", 1)[1][:1] not in ("Z", "X")
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # gone, also while being read
         return False
 
 
