@@ -13,6 +13,7 @@ from torch import nn
 
 from rollout import Engine, RolloutCluster, RolloutOutput, SamplingParams, generation_pause
 from rollout.checks import check_int
+from rollout.engine.weight_delta import PushCost
 from rollout.episodes import Episode, check_episode_args
 
 from .alarm import MismatchAlarm
@@ -22,6 +23,7 @@ from .corrections import correction_weights
 from .group_collector import EngineRun, GroupCollector, GroupSource
 from .logprobs import token_logprobs
 from .names import export_state_dict
+from .pushing import WeightPusher
 from .staleness import StalenessPolicy
 
 
@@ -84,6 +86,7 @@ class TrainerBridge:
         self.last_push_seconds: float | None = None
         self.last_push_pause: float | None = None  # longest step gap across the last push (with metrics)
         self._carry = Carry()  # what the last group collect left to the next one
+        self._pusher = WeightPusher(target)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -99,15 +102,17 @@ class TrainerBridge:
         model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
         version: int | None = None,
         inflight: str = "recompute",
+        delta: bool = True,
     ) -> int:
         """Push the model's weights (wrapper prefixes stripped, cast to the
-        engine's dtype); returns the new policy version."""
+        engine's dtype); returns the new policy version. With `delta` (the
+        default) only the elements whose cast value changed since the last
+        push travel, in the smallest encoding per tensor; a copy of the
+        pushed weights is kept for that (docs/weight_sync.md). `last_push`
+        says what the push cost."""
         state = export_state_dict(model_or_state_dict, self.dtype)
         start, wall = time.perf_counter(), time.time()
-        if isinstance(self.target, Engine):
-            v = self.target.update_weights(state, version, inflight)
-        else:
-            v = self.target.push_weights(state, version, inflight)
+        v = self._pusher.push(state, version, inflight, delta)
         self.last_push_seconds = time.perf_counter() - start
         if self.metrics is not None:  # the pause needs every engine's step log: an RPC per actor
             self.last_push_pause = generation_pause(self._step_logs(wall - 60.0), wall, time.time())
@@ -116,9 +121,23 @@ class TrainerBridge:
                     "push/seconds": self.last_push_seconds,
                     "push/version": v,
                     "push/generation_pause_s": self.last_push_pause,
+                    "push/bytes_sent": self.last_push.bytes_sent,
+                    "push/bytes_full": self.last_push.bytes_full,
+                    "push/delta": float(self.last_push.encoding == "delta"),
+                    "push/changed_fraction": self.last_push.changed_fraction,
                 }
             )
         return v
+
+    @property
+    def last_push(self) -> PushCost | None:
+        """`.bytes_sent`, `.bytes_full`, `.seconds`, `.encoding` of the last push."""
+        return self._pusher.last_push
+
+    @property
+    def reference_bytes(self) -> int:
+        """Bytes of the copy of the pushed weights kept for delta pushes (0 before the first)."""
+        return self._pusher.reference_bytes
 
     def _step_logs(self, since: float) -> list[list]:
         if isinstance(self.target, Engine):

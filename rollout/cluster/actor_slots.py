@@ -5,7 +5,7 @@ actor's calls come back as."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -56,17 +56,48 @@ class PushGate:
     `latest` is every push committed since the checkpoint, composed
     (`published.compose`), not the last push alone: a push may set only
     some tensors, and a replacement must hold what the live actors hold.
-    `aliases` (per checkpoint name, the other names the engine holds in the
-    same weight) comes from the actors' description, before any push."""
+    Delta pushes are not composed (their buckets hold changed elements
+    only): they leave a snapshot due, which `latest` puts in the store on
+    first read (the trainer's copy of the live weights), composed over the
+    record. `aliases` (per checkpoint name, the other names the engine holds
+    in the same weight) comes from the actors' description, before any push."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.latest: Published | None = None
+        self._record: Published | None = None
+        self._snapshot: tuple[int, Callable[[], tuple[Manifest, tuple]]] | None = None  # (version, make)
         self.aliases: Mapping[str, tuple[str, ...]] = {}
+
+    @property
+    def latest(self) -> Published | None:
+        """The weights a replacement loads; read holding `lock`."""
+        if self._snapshot is not None:
+            version, make = self._snapshot
+            manifest, refs = make()
+            self._record = compose(self._record, manifest, version, refs, self.aliases)
+            self._snapshot = None
+        return self._record
+
+    @latest.setter
+    def latest(self, value: Published | None) -> None:
+        self._record, self._snapshot = value, None
 
     def publish(self, manifest: Manifest, version: int, refs: tuple) -> None:
         """Record an accepted push for replacement actors; call holding `lock`."""
-        self.latest = compose(self.latest, manifest, version, refs, self.aliases)
+        self._record = compose(self._record, manifest, version, refs, self.aliases)
+
+    def publish_snapshot(self, version: int, make: Callable[[], tuple[Manifest, tuple]]) -> None:
+        """Record an accepted push as a snapshot `make()` puts in the store
+        when a replacement needs it: `(manifest, refs)` of the live weights
+        of every tensor a delta push may have set; call holding `lock`."""
+        self._snapshot = (version, make)
+
+    def saved(self) -> tuple:
+        """What `restore` puts back, without making a due snapshot."""
+        return self._record, self._snapshot
+
+    def restore(self, saved: tuple) -> None:
+        self._record, self._snapshot = saved
 
 
 class ActorGone(RuntimeError):

@@ -55,10 +55,14 @@ def session(prompt) -> Session:
 
 
 def push_weights(
-    state_dict: Mapping[str, torch.Tensor], version: int | None = None, inflight: str = "recompute", wait: bool = True
+    state_dict: Mapping[str, torch.Tensor],
+    version: int | None = None,
+    inflight: str = "recompute",
+    wait: bool = True,
+    delta: bool = False,
 ) -> int | PushHandle:
     """`RolloutCluster.push_weights` on the default cluster."""
-    return _cluster().push_weights(state_dict, version, inflight, wait)
+    return _cluster().push_weights(state_dict, version, inflight, wait, delta)
 
 
 def policy_version() -> int:

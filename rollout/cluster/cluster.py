@@ -19,6 +19,7 @@ from ..checks import check_int, check_positive
 from ..engine.requests import PromptLimits, prompt_token_ids
 from ..engine.session import Session
 from ..engine.streams import TokenStream
+from ..engine.weight_delta import PushCost
 from ..episodes import Episode, run_episodes, run_episodes_async
 from ..model.config import ModelConfig
 from ..outputs import RolloutOutput
@@ -177,6 +178,7 @@ class RolloutCluster:
         version: int | None = None,
         inflight: str = "recompute",
         wait: bool = True,
+        delta: bool = False,
     ) -> int | PushHandle:
         """Push new policy weights to every actor; returns the new cluster-wide version.
 
@@ -186,8 +188,21 @@ class RolloutCluster:
         push to finish. `wait=False` returns a `PushHandle` as soon as the
         weights are in the object store: from then on the caller may change
         its tensors (train the next step) while the actors verify and commit.
+        `delta=True` sends only the elements whose bits changed since the
+        last committed push (the cluster keeps a copy of the live weights from
+        then on; see docs/weight_sync.md). `last_push` tells what it cost.
         """
-        return self._pushes.push_weights(state_dict, version, inflight, wait)
+        return self._pushes.push_weights(state_dict, version, inflight, wait, delta)
+
+    @property
+    def last_push(self) -> PushCost | None:
+        """Bytes sent, bytes of a full push, seconds and encoding of the last committed push."""
+        return self._pushes.last_push
+
+    @property
+    def reference_bytes(self) -> int:
+        """Bytes of the copy of the live weights the driver keeps for delta pushes (0 before the first)."""
+        return self._pushes.reference_bytes
 
     def policy_version(self) -> int:
         """The version of the last push every live actor committed. While a

@@ -4,12 +4,15 @@ over the pushes before, see `published`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from ..engine.weight_delta import DeltaEncoder, Encoded, PushCost
 from ..engine.weights_api import check_inflight
 from .actor_pool import ActorPool
 from .actor_slots import ActorCall, ActorGone, ActorSlot, PushGate
@@ -32,6 +35,9 @@ class _Shipment:
     refs: tuple  # object refs of the buckets, kept alive until published or dropped
     calls: list[ActorCall]  # every `stage_bucket` call
     roles: list[VerifyShare]  # per call: the share of its bucket that actor verifies
+    encoded: Encoded | None  # the encoded push, once the cluster keeps a copy of the live weights
+    cost: PushCost  # what it sends (seconds still 0)
+    started: float  # perf_counter when the call came
 
 
 class WeightPushes:
@@ -53,6 +59,13 @@ class WeightPushes:
         self._versions = versions
         self._gate = gate
         self._stall_timeout_s = stall_timeout_s
+        self._encoder: DeltaEncoder | None = None  # from the first delta push on: the live weights' copy
+        self.last_push: PushCost | None = None  # the cost of the last push that committed
+
+    @property
+    def reference_bytes(self) -> int:
+        """Bytes of the copy of the live weights kept for delta pushes (0 before the first)."""
+        return 0 if self._encoder is None else self._encoder.nbytes
 
     def push_weights(
         self,
@@ -60,8 +73,12 @@ class WeightPushes:
         version: int | None = None,
         inflight: str = "recompute",
         wait: bool = True,
+        delta: bool = False,
     ) -> int | PushHandle:
         """Push new policy weights to every live actor; see `RolloutCluster.push_weights`."""
+        if not isinstance(delta, bool):
+            raise TypeError(f"delta must be a bool, got {type(delta).__name__}")
+        started = time.perf_counter()
         self._pool.check_open()
         check_inflight(inflight)
         self._versions.check_next(version)
@@ -72,7 +89,7 @@ class WeightPushes:
             self._pool.check_open()  # a shutdown may have finished while this call waited for the lock
             slots = self._pool.alive()
             shipping = True
-            shipment = self._ship(state_dict, version, push_id, slots)
+            shipment = self._ship(state_dict, version, push_id, slots, delta, started)
             if not wait:
                 return PushHandle(lambda: self._finish(shipment, inflight))
         except BaseException:
@@ -87,11 +104,22 @@ class WeightPushes:
     def _abort(self, push_id: str, slots: list[ActorSlot]) -> None:
         self._pool.call_all(slots, "abort_push", (push_id,), "aborting a weight push", kill_hung=True)
 
-    def _ship(self, state_dict, requested: int | None, push_id: str, slots: list[ActorSlot]) -> _Shipment:
+    def _ship(self, state_dict, requested, push_id: str, slots: list[ActorSlot], delta: bool, started: float):
         """Pack and put the buckets one by one, sending each to the actors as
-        it lands: actors receive bucket i while bucket i+1 is packed."""
+        it lands: actors receive bucket i while bucket i+1 is packed. Once a
+        delta push was asked for, every push is encoded against the copy of
+        the live weights (`weight_delta.DeltaEncoder`), whole or as a delta."""
         ray = ray_module()
         version = self._versions.check_next(requested)
+        if delta and self._encoder is None:
+            self._encoder = DeltaEncoder()
+        encoded = None
+        if self._encoder is not None:
+            encoded = self._encoder.encode(state_dict, self._versions.version, delta)
+            state_dict, cost = encoded.state_dict, encoded.cost
+        else:
+            full = sum(t.nbytes for t in state_dict.values())
+            cost = PushCost(full, full, 0.0, "full", {"full": len(state_dict)})
         here = local_node()
         entries, sizes, refs, calls, roles = [], [], [], [], []
         for packed in self._packer.pack_buckets(state_dict):
@@ -108,7 +136,17 @@ class WeightPushes:
                 )
                 roles.append(role)
         manifest = Manifest(tuple(entries), tuple(sizes))
-        return _Shipment(version, push_id, slots, manifest, tuple(refs), calls, roles)
+        return _Shipment(version, push_id, slots, manifest, tuple(refs), calls, roles, encoded, cost, started)
+
+    def _snapshot(self) -> tuple[Manifest, tuple]:
+        """The copy of the live weights, put in the store as a push's buckets, for a replacement actor."""
+        ray = ray_module()
+        entries, sizes, refs = [], [], []
+        for packed in self._packer.pack_buckets(self._encoder.reference):
+            refs.append(ray.put(list(packed.segments)))
+            entries.extend(packed.entries)
+            sizes.append(packed.nbytes)
+        return Manifest(tuple(entries), tuple(sizes)), tuple(refs)
 
     def _finish(self, shipment: _Shipment, inflight: str) -> int:
         """Phase one on every actor that received the push, then phase two
@@ -123,8 +161,11 @@ class WeightPushes:
                 if not self._pool.closed:
                     self._abort(shipment.push_id, shipment.slots)
                 raise
-            previous = self._gate.latest
-            self._gate.publish(shipment.manifest, shipment.version, shipment.refs)
+            previous = self._gate.saved()
+            if shipment.encoded is None or shipment.cost.encoding == "full":
+                self._gate.publish(shipment.manifest, shipment.version, shipment.refs)
+            if shipment.encoded is not None:
+                self._gate.publish_snapshot(shipment.version, self._snapshot)
             self._commit(ready, shipment, previous, inflight)
             return shipment.version
         finally:
@@ -183,9 +224,12 @@ class WeightPushes:
                 # replacement loads the published version, keeping all actors equal.
                 self._pool.kill(slot, f"failed to commit weight push v{version}: {result}")
         if shipment.slots and all(isinstance(r, BaseException) for _, r in committed):
-            self._gate.latest = previous  # their replacements, waiting for the lock, load the version before
+            self._gate.restore(previous)  # their replacements, waiting for the lock, load the version before
             raise _all_lost(committed, version, "committed", self._versions.version)
+        if shipment.encoded is not None:
+            self._encoder.commit(shipment.encoded)  # before the lock is released: replacements snapshot it
         self._versions.commit(version)
+        self.last_push = dataclasses.replace(shipment.cost, seconds=time.perf_counter() - shipment.started)
 
 
 def verifiers(slots: list[ActorSlot], here: str | None, bucket: int) -> list[tuple[ActorSlot, VerifyShare]]:

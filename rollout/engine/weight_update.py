@@ -26,6 +26,7 @@ import torch
 
 from ..model.decoder import Model
 from ..model.weight_slots import WeightSlot
+from .weight_delta import apply_patch, is_delta, split
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class StagedUpdate:
     adopted: frozenset[str]  # swapped parameters that view memory the caller lets the engine keep
     nbytes: int  # bytes the commit installs
     done: bool = field(default=False)  # committed or discarded
+    base: int | None = None  # a delta's base version: the commit refuses to install it over any other
 
 
 class WeightUpdater:
@@ -48,6 +50,29 @@ class WeightUpdater:
         self.rebind = next(iter(self._live.values())).device.type == "cpu"  # see the module docstring
         self._spare: dict[str, torch.Tensor] = {}  # owned buffers free for staging, by parameter
         self._adopted: set[str] = set()  # parameters whose live storage is the caller's memory
+
+    def expand(self, state_dict: Mapping[str, torch.Tensor], version: int) -> tuple[int | None, Mapping]:
+        """`(None, state_dict)` for a plain push; for a delta push
+        (`weight_delta`), its base version and every tensor it changes,
+        built from the live weights. Raises `ValueError` when the delta is
+        relative to another version than `version` or does not fit."""
+        if not isinstance(state_dict, Mapping) or not is_delta(state_dict):
+            return None, state_dict
+        parts = split(state_dict)
+        if parts.base != version:
+            raise ValueError(
+                f"delta push is relative to version {parts.base}, but this engine holds version {version}: "
+                "push the weights whole"
+            )
+        unknown = [name for name in parts.patches if name not in self.slots]
+        if unknown:
+            raise ValueError(
+                f"delta push changes {unknown[0]!r}, not a parameter of this {self.model.cfg.model_type} model"
+            )
+        full = dict(parts.whole)
+        for name, patch in parts.patches.items():
+            full[name] = apply_patch(name, self.slots[name].view(), patch)
+        return parts.base, full
 
     def validate(
         self, state_dict: Mapping[str, torch.Tensor], check_finite: bool = True

@@ -35,7 +35,8 @@ class WeightsAPI:
         """Install new policy weights and return the new policy version.
 
         `state_dict` uses the checkpoint's own names; a subset updates only
-        those tensors. Everything is validated (names, shapes, dtypes,
+        those tensors. A delta push (`rollout.engine.weight_delta`) sets only
+        the elements it carries, over the version it names as its base. Everything is validated (names, shapes, dtypes,
         finiteness, version order) and staged before the guard is taken; a
         rejected update leaves weights and version exactly as they were.
         `inflight` says what happens to sequences mid-generation (see
@@ -63,8 +64,13 @@ class WeightsAPI:
         """
         self._check_open()
         with self._update_lock:
+            base, state_dict = self._updater.expand(state_dict, self._guard.version)
+            if base is not None and not state_dict:  # a delta that changes nothing: the version moves
+                return StagedUpdate([], {}, {}, frozenset(), 0, base=base)
             items = self._updater.validate(state_dict, check_finite=not verified_finite)
-            return self._updater.stage(items, adopt=adopt)
+            staged = self._updater.stage(items, adopt=adopt)
+            staged.base = base
+            return staged
 
     def discard_weights(self, staged: StagedUpdate) -> None:
         """Drop a prepared update that will not be committed."""
@@ -88,6 +94,11 @@ class WeightsAPI:
 
         def apply(_: int) -> None:
             self._check_open()  # a close that came first leaves nothing to install into
+            if staged.base is not None and staged.base != self._guard.version:
+                raise ValueError(
+                    f"delta push is relative to version {staged.base}, but version {self._guard.version} "
+                    "was committed since it was prepared"
+                )
             self._updater.commit(staged)
             self.scheduler.on_weights_committed(inflight)
             self.decode_cache.invalidate()

@@ -1,0 +1,254 @@
+"""Delta pushes: only the elements whose value, in the engine's dtype,
+changed since the last committed push.
+
+A delta push is an ordinary state dict, so it travels as any push does
+(buckets, manifest, checksums, two phases) and an in-process engine takes
+it from `update_weights` as it is. Besides plain tensors (sent whole) it
+holds, per changed tensor `name`, one of two encodings:
+
+- `name + MASK` (uint8, one bit per element, little-endian within a byte)
+  and `name + VALUES` (the new values of the set bits, in order);
+- `name + INDEX` (int32 flat indices, strictly increasing) and
+  `name + VALUES`;
+
+and `BASE` (int64, one element): the policy version the delta is relative
+to. An engine whose version is not `BASE` refuses it. Each tensor gets the
+smallest of whole, mask and index for its density (`choose`); a tensor
+with no changed element is left out.
+
+`DeltaEncoder` is the sending side: it keeps the last committed cast
+weights (the reference the deltas are taken against) and reports each
+push's cost (`PushCost`). The receiving side (`split`, `apply_patch`) builds
+the new value of each changed tensor from the live one, in phase one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+BASE = "@delta.base"
+MASK = "@delta.mask"
+INDEX = "@delta.index"
+VALUES = "@delta.values"
+_SUFFIXES = (MASK, INDEX, VALUES)
+_BITS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True, slots=True)
+class PushCost:
+    """What one push sent, against a full push of the same tensors."""
+
+    bytes_sent: int  # bytes of tensors the push carried (encodings included)
+    bytes_full: int  # bytes a full push of the same tensors would carry
+    seconds: float  # from the call until the push committed (or, for `wait=False`, until in the store)
+    encoding: str  # "full": every tensor whole; "delta": some sent as changed elements only
+    tensors: dict[str, int] = field(default_factory=dict)  # per encoding (full, mask, index, unchanged): tensors
+    changed_fraction: float = 1.0  # changed elements / elements, over the push's tensors
+
+
+@dataclass(slots=True)
+class Encoded:
+    """One encoded push: what to send, what `DeltaEncoder.commit` applies, its cost."""
+
+    state_dict: dict[str, torch.Tensor]  # the push to send
+    pending: dict[str, tuple]  # name -> ("whole", copy) | ("patch", changed bool mask, values)
+    cost: PushCost  # seconds: the encoding's alone
+
+
+@dataclass(slots=True)
+class Patch:
+    """The changed elements of one tensor, as received."""
+
+    values: torch.Tensor  # new values of the changed elements, in flat order
+    mask: torch.Tensor | None = None  # uint8 bitmask of changed elements, or
+    index: torch.Tensor | None = None  # int32 flat indices of changed elements
+
+
+@dataclass(slots=True)
+class DeltaParts:
+    """A delta push split into what it sets."""
+
+    base: int  # the version it is relative to
+    whole: dict[str, torch.Tensor]  # tensors sent whole
+    patches: dict[str, Patch]  # tensors sent as changed elements
+
+
+def is_delta(state_dict: Mapping[str, torch.Tensor]) -> bool:
+    return BASE in state_dict
+
+
+def sizes(numel: int, changed: int, itemsize: int) -> dict[str, int]:
+    """Bytes of each encoding of a tensor of `numel` elements, `changed` of them changed."""
+    out = {"full": numel * itemsize, "mask": math.ceil(numel / 8) + changed * itemsize}
+    if numel < 2**31:
+        out["index"] = changed * (4 + itemsize)
+    return out
+
+
+def choose(numel: int, changed: int, itemsize: int) -> str:
+    """The smallest encoding; whole wins ties (nothing to decode)."""
+    s = sizes(numel, changed, itemsize)
+    return min(s, key=lambda k: (s[k], k != "full"))
+
+
+def pack_mask(changed: torch.Tensor) -> torch.Tensor:
+    """A flat bool tensor as bits, 8 to a byte, element 0 in bit 0."""
+    pad = (-changed.numel()) % 8
+    bits = torch.nn.functional.pad(changed.view(-1).to(torch.uint8), (0, pad)).view(-1, 8)
+    return (bits * _BITS.to(bits.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_mask(mask: torch.Tensor, numel: int) -> torch.Tensor:
+    bits = (mask.view(-1, 1) >> torch.arange(8, dtype=torch.uint8, device=mask.device)) & 1
+    return bits.view(-1)[:numel].bool()
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """`t` flat, as integers of its element size: equal means the same bits."""
+    flat = t.reshape(-1)
+    if t.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    return flat.view(_INT_OF_SIZE[t.element_size()])
+
+
+def split(state_dict: Mapping[str, torch.Tensor]) -> DeltaParts:
+    """A delta push's parts; `ValueError`/`TypeError` naming the first bad entry."""
+    base = state_dict[BASE]
+    if not isinstance(base, torch.Tensor) or base.dtype != torch.int64 or base.numel() != 1:
+        raise ValueError(f"state_dict[{BASE!r}] must be an int64 tensor of one element (the base version)")
+    whole, patches = {}, {}
+    for key, tensor in state_dict.items():
+        if key == BASE:
+            continue
+        suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
+        if suffix is None:
+            whole[key] = tensor
+            continue
+        name = key[: -len(suffix)]
+        if name in patches:
+            continue
+        patches[name] = _patch(state_dict, name)
+    both = sorted(set(whole) & set(patches))
+    if both:
+        raise ValueError(f"delta push sets {both[0]!r} both whole and as changed elements")
+    return DeltaParts(int(base.item()), whole, patches)
+
+
+def _patch(state_dict: Mapping[str, torch.Tensor], name: str) -> Patch:
+    values, mask, index = (state_dict.get(name + s) for s in (VALUES, MASK, INDEX))
+    if values is None or (mask is None) == (index is None):
+        raise ValueError(
+            f"delta push entry {name!r} must have {name + VALUES!r} and exactly one of {name + MASK!r} "
+            f"and {name + INDEX!r}"
+        )
+    for key, t in ((VALUES, values), (MASK, mask), (INDEX, index)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_dict[{name + key!r}] must be a torch.Tensor, got {type(t).__name__}")
+    if not values.is_floating_point() or values.dim() != 1:
+        raise TypeError(f"state_dict[{name + VALUES!r}] must be a 1-d floating-point tensor")
+    if mask is not None and (mask.dtype != torch.uint8 or mask.dim() != 1):
+        raise TypeError(f"state_dict[{name + MASK!r}] must be a 1-d uint8 tensor")
+    if index is not None and (index.dtype != torch.int32 or index.dim() != 1):
+        raise TypeError(f"state_dict[{name + INDEX!r}] must be a 1-d int32 tensor")
+    return Patch(values, mask, index)
+
+
+def apply_patch(name: str, live: torch.Tensor, patch: Patch) -> torch.Tensor:
+    """A new tensor: `live` with `patch`'s elements set. Raises `ValueError`
+    naming `name` when the patch does not fit `live`; `live` is untouched."""
+    n = live.numel()
+    values = patch.values.to(live.device)
+    if patch.mask is not None:
+        if patch.mask.numel() != math.ceil(n / 8):
+            raise ValueError(f"delta mask of {name!r} has {patch.mask.numel()} bytes, expected {math.ceil(n / 8)}")
+        where = unpack_mask(patch.mask.to(live.device), n)
+        count = int(where.sum())
+        if n % 8 and int(patch.mask[-1]) >> (n % 8):
+            raise ValueError(f"delta mask of {name!r} sets bits past the tensor's {n} elements")
+    else:
+        where = patch.index.to(live.device, torch.int64)
+        count = where.numel()
+        if count and (int(where[0]) < 0 or int(where[-1]) >= n or not bool((where[1:] > where[:-1]).all())):
+            raise ValueError(f"delta indices of {name!r} must be strictly increasing and in [0, {n})")
+    if count != values.numel():
+        raise ValueError(f"delta of {name!r} marks {count} changed elements but carries {values.numel()} values")
+    new = live.clone().reshape(-1)
+    new[where] = values.to(live.dtype)
+    return new.view(live.shape)
+
+
+class DeltaEncoder:
+    """The sending side of delta pushes.
+
+    `reference` holds, per name, the cast weights of the last committed push
+    that set it: one copy of every pushed tensor, on the tensors' device,
+    `nbytes` in all. `encode` compares a new state dict with it bit for bit;
+    `commit` applies an encoded push to it once every engine holds it, so a
+    push that fails leaves the reference at the weights the engines serve.
+    """
+
+    def __init__(self) -> None:
+        self.reference: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.reference.values())
+
+    def encode(self, state_dict: Mapping[str, torch.Tensor], base: int, delta: bool = True) -> Encoded:
+        """The push to send and what `commit` applies. With `delta=False`, or
+        for names the reference lacks or holds at another shape or dtype,
+        tensors go whole."""
+        start = time.perf_counter()
+        out: dict[str, torch.Tensor] = {BASE: torch.tensor([base], dtype=torch.int64)} if delta else {}
+        pending: dict[str, tuple] = {}
+        counts = dict.fromkeys(("full", "mask", "index", "unchanged"), 0)
+        elements = changed_elements = 0
+        for name, new in state_dict.items():
+            old = self.reference.get(name)
+            elements += new.numel()
+            if not delta or old is None or old.shape != new.shape or old.dtype != new.dtype:
+                out[name], pending[name] = new, ("whole", new.detach().clone())
+                counts["full"] += 1
+                changed_elements += new.numel()
+                continue
+            changed = _as_bits(new) != _as_bits(old)
+            k = int(changed.sum())
+            changed_elements += k
+            if k == 0:
+                counts["unchanged"] += 1
+                continue
+            how = choose(new.numel(), k, new.element_size())
+            counts[how] += 1
+            if how == "full":
+                out[name], pending[name] = new, ("whole", new.detach().clone())
+                continue
+            values = new.detach().reshape(-1)[changed]
+            out[name + VALUES] = values
+            out[name + MASK] = pack_mask(changed) if how == "mask" else None
+            out[name + INDEX] = changed.nonzero().view(-1).to(torch.int32) if how == "index" else None
+            pending[name] = ("patch", changed, values)
+        out = {k: v for k, v in out.items() if v is not None}
+        sent = sum(t.nbytes for t in out.values())
+        full = sum(t.nbytes for t in state_dict.values())
+        used_delta = counts["mask"] + counts["index"] + counts["unchanged"] > 0
+        cost = PushCost(sent, full, 0.0, "delta" if used_delta else "full", counts, changed_elements / max(elements, 1))
+        return Encoded(out, pending, dataclasses.replace(cost, seconds=time.perf_counter() - start))
+
+    def commit(self, encoded: Encoded) -> None:
+        """Every engine holds `encoded`: make it the reference."""
+        for name, item in encoded.pending.items():
+            if item[0] == "whole":
+                self.reference[name] = item[1]
+            else:
+                _, changed, values = item
+                self.reference[name].view(-1)[changed] = values
+
+    def clear(self) -> None:
+        self.reference.clear()

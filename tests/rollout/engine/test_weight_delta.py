@@ -1,0 +1,139 @@
+"""Delta pushes without Ray: the encodings against hand-computed cases, and
+an engine fed by a real optimizer's deltas holding the trainer's cast
+weights bit for bit, sampling as a fresh engine loaded with them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rollout import SamplingParams
+from rollout.engine.weight_delta import BASE, INDEX, MASK, VALUES, DeltaEncoder, choose, pack_mask, sizes, unpack_mask
+from tests.conftest import make_engine
+from trainer_bridge import TrainerBridge
+from trainer_bridge.names import export_state_dict
+
+BF16 = torch.bfloat16
+PROMPTS = [list(range(3, 19)), [5, 6, 7, 8, 9]]
+PARAMS = SamplingParams(n=2, max_tokens=12, ignore_eos=True, seed=8, logprobs_mode="raw")
+
+
+def test_encoding_sizes_and_choice_by_hand():
+    # 1000 bf16 elements: whole 2000 B; mask 125 B + 2k; index 6k.
+    assert sizes(1000, 10, 2) == {"full": 2000, "mask": 145, "index": 60}
+    assert choose(1000, 10, 2) == "index"  # sparse
+    assert choose(1000, 100, 2) == "mask"  # 325 < 600
+    assert choose(1000, 990, 2) == "full"  # 2105 > 2000
+    assert choose(8, 8, 4) == "full"  # 33 > 32: whole wins once a mask costs more
+
+
+def test_mask_bits_are_little_endian_per_byte():
+    changed = torch.zeros(11, dtype=torch.bool)
+    changed[[0, 3, 8, 10]] = True
+    # byte 0: bits 0 and 3 -> 1 + 8; byte 1: bits 0 and 2 (elements 8 and 10) -> 1 + 4
+    assert pack_mask(changed).tolist() == [9, 5]
+    assert torch.equal(unpack_mask(pack_mask(changed), 11), changed)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16) if t.dtype == BF16 else t.contiguous().view(torch.int32)
+
+
+def test_encoder_sends_changed_bits_only_and_keeps_its_copy():
+    old = {"a": torch.randn(4096).to(BF16), "b": torch.randn(64, 64).to(BF16), "c": torch.randn(100).to(BF16)}
+    enc = DeltaEncoder()
+    first = enc.encode(old, base=0)
+    enc.commit(first)
+    assert first.cost.encoding == "full" and enc.nbytes == sum(t.nbytes for t in old.values())
+    new = {k: v.clone() for k, v in old.items()}
+    new["a"][[5, 700]] = 3.0  # sparse: indices
+    new["b"].view(-1)[::3] += 1.0  # a third: mask
+    new["b"][0, 0] = -new["b"][0, 0] if new["b"][0, 0] != 0 else 1.0
+    encoded = enc.encode(new, base=1)
+    sent = encoded.state_dict
+    assert sent[BASE].tolist() == [1]
+    assert sent["a" + INDEX].tolist() == [5, 700] and sent["a" + VALUES].tolist() == [3.0, 3.0]
+    changed_b = (_bits(new["b"]) != _bits(old["b"])).view(-1)
+    assert torch.equal(unpack_mask(sent["b" + MASK], 4096), changed_b)
+    assert "c" not in sent and not any(k.startswith("c@") for k in sent)
+    k = int(changed_b.sum())
+    assert encoded.cost.bytes_sent == 8 + 2 * 6 + (512 + 2 * k)
+    assert encoded.cost.bytes_full == sum(t.nbytes for t in new.values())
+    assert encoded.cost.tensors == {"full": 0, "mask": 1, "index": 1, "unchanged": 1}
+    enc.commit(encoded)
+    assert all(torch.equal(_bits(enc.reference[n]), _bits(new[n])) for n in new)
+
+
+def _train_steps(model, steps: int, lr: float, seed: int):
+    """AdamW on float32 master weights; yields after each step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (4, 24), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        yield
+
+
+def assert_holds(engine, cast: dict):
+    slots = engine.model.weight_slots()
+    for name, tensor in cast.items():
+        assert torch.equal(_bits(slots[name].view()), _bits(tensor)), name
+
+
+def _samples(engine):
+    return [[(s.token_ids, s.logprobs) for s in o.samples] for o in engine.generate(PROMPTS, PARAMS)]
+
+
+def test_delta_pushes_from_adamw_leave_the_engine_with_the_trainers_cast_weights(qwen2):
+    model = copy.deepcopy(qwen2.hf).train()
+    engine = make_engine(qwen2.path, dtype="bfloat16")
+    bridge = TrainerBridge(engine)
+    encodings = set()
+    for step in _train_steps(model, steps=4, lr=3e-4, seed=3):  # noqa: B007
+        v = bridge.push(model)
+        cast = export_state_dict(model, BF16)
+        assert_holds(engine, cast)
+        cost = bridge.last_push
+        assert cost.bytes_full == sum(t.nbytes for t in cast.values())
+        encodings |= {k for k, n in cost.tensors.items() if n}
+        if v > 1:
+            assert cost.encoding == "delta" and cost.bytes_sent < cost.bytes_full
+    assert {"mask", "index"} <= encodings
+    assert bridge.reference_bytes == sum(t.nbytes for t in cast.values())
+    fresh = make_engine(qwen2.path, dtype="bfloat16")
+    fresh.update_weights(cast)
+    assert _samples(engine) == _samples(fresh)
+
+
+def test_a_bad_delta_is_refused_by_name_and_changes_nothing(qwen2):
+    engine = make_engine(qwen2.path, dtype="bfloat16")
+    name = "model.layers.0.mlp.down_proj.weight"
+    live = engine.model.weight_slots()[name].view().clone()
+    n = live.numel()
+    good_mask = pack_mask(torch.arange(n) % 7 == 0)
+    values = torch.ones(int((torch.arange(n) % 7 == 0).sum()), dtype=BF16)
+    base = torch.tensor([0])
+    bad = [
+        ({BASE: torch.tensor([3]), name + MASK: good_mask, name + VALUES: values}, "relative to version 3"),
+        ({BASE: base, name + MASK: good_mask[:-1], name + VALUES: values}, "delta mask of"),
+        ({BASE: base, name + MASK: good_mask, name + VALUES: values[:-1]}, "carries"),
+        ({BASE: base, name + VALUES: values}, "exactly one of"),
+        ({BASE: base, name + INDEX: torch.tensor([4, 2], dtype=torch.int32), name + VALUES: values[:2]}, "increasing"),
+        ({BASE: base, "model.nope" + INDEX: torch.tensor([1], dtype=torch.int32), "model.nope" + VALUES: values[:1]},
+         "not a parameter"),
+    ]
+    for state, needle in bad:
+        with pytest.raises(ValueError, match=needle):
+            engine.update_weights(state)
+    assert engine.policy_version == 0 and torch.equal(engine.model.weight_slots()[name].view(), live)
+    ok = {BASE: base, name + MASK: good_mask, name + VALUES: values}
+    assert engine.update_weights(ok) == 1
+    expect = live.clone().view(-1)
+    expect[torch.arange(n) % 7 == 0] = 1.0
+    assert torch.equal(engine.model.weight_slots()[name].view().reshape(-1), expect)

@@ -1,0 +1,58 @@
+"""Pushing a trainer's weights, whole or as deltas, to an in-process
+`Engine` or a `RolloutCluster`, and what each push cost."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+
+import torch
+
+from rollout import Engine, RolloutCluster
+from rollout.engine.weight_delta import DeltaEncoder, PushCost
+
+
+class WeightPusher:
+    """Pushes cast state dicts to `target`. For an `Engine` it keeps the
+    copy of the live weights that delta pushes are taken against (a cluster
+    keeps its own, which also feeds its replacement actors): from the first
+    delta push on, one copy of every pushed tensor (`reference_bytes`)."""
+
+    def __init__(self, target: Engine | RolloutCluster) -> None:
+        self.target = target
+        self.last_push: PushCost | None = None
+        self._encoder: DeltaEncoder | None = None
+        self._version: int | None = None  # the engine's version the encoder's copy holds
+
+    @property
+    def reference_bytes(self) -> int:
+        """Bytes kept on the trainer's side for delta pushes."""
+        if isinstance(self.target, RolloutCluster):
+            return self.target.reference_bytes
+        return 0 if self._encoder is None else self._encoder.nbytes
+
+    def push(self, state: Mapping[str, torch.Tensor], version: int | None, inflight: str, delta: bool) -> int:
+        if not isinstance(delta, bool):
+            raise TypeError(f"delta must be a bool, got {type(delta).__name__}")
+        if isinstance(self.target, RolloutCluster):
+            v = self.target.push_weights(state, version, inflight, delta=delta)
+            self.last_push = self.target.last_push
+            return v
+        start = time.perf_counter()
+        if delta and self._encoder is None:
+            self._encoder = DeltaEncoder()
+        if self._encoder is None:
+            v = self.target.update_weights(state, version, inflight)
+            full = sum(t.nbytes for t in state.values())
+            self.last_push = PushCost(full, full, time.perf_counter() - start, "full", {"full": len(state)})
+            return v
+        base = self.target.policy_version
+        if base != self._version:  # pushed by someone else since: the copy is not what the engine holds
+            self._encoder.clear()
+        encoded = self._encoder.encode(state, base, delta)
+        v = self.target.update_weights(encoded.state_dict, version, inflight)
+        self._encoder.commit(encoded)
+        self._version = v
+        self.last_push = dataclasses.replace(encoded.cost, seconds=time.perf_counter() - start)
+        return v
