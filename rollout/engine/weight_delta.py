@@ -234,10 +234,11 @@ class DeltaEncoder:
             out[name + MASK] = pack_mask(changed) if how == "mask" else None
             out[name + INDEX] = changed.nonzero().view(-1).to(torch.int32) if how == "index" else None
             pending[name] = ("patch", changed, values)
-        out = {k: v for k, v in out.items() if v is not None}
+        used_delta = counts["mask"] + counts["index"] + counts["unchanged"] > 0
+        # Every tensor whole: a plain push, valid over any version.
+        out = {k: v for k, v in out.items() if v is not None and (used_delta or k != BASE)}
         sent = sum(t.nbytes for t in out.values())
         full = sum(t.nbytes for t in state_dict.values())
-        used_delta = counts["mask"] + counts["index"] + counts["unchanged"] > 0
         cost = PushCost(sent, full, 0.0, "delta" if used_delta else "full", counts, changed_elements / max(elements, 1))
         return Encoded(out, pending, dataclasses.replace(cost, seconds=time.perf_counter() - start))
 

@@ -125,8 +125,10 @@ def test_a_bad_delta_is_refused_by_name_and_changes_nothing(qwen2):
         ({BASE: base, name + MASK: good_mask, name + VALUES: values[:-1]}, "carries"),
         ({BASE: base, name + VALUES: values}, "exactly one of"),
         ({BASE: base, name + INDEX: torch.tensor([4, 2], dtype=torch.int32), name + VALUES: values[:2]}, "increasing"),
-        ({BASE: base, "model.nope" + INDEX: torch.tensor([1], dtype=torch.int32), "model.nope" + VALUES: values[:1]},
-         "not a parameter"),
+        (
+            {BASE: base, "model.nope" + INDEX: torch.tensor([1], dtype=torch.int32), "model.nope" + VALUES: values[:1]},
+            "not a parameter",
+        ),
     ]
     for state, needle in bad:
         with pytest.raises(ValueError, match=needle):

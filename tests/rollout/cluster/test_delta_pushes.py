@@ -1,0 +1,100 @@
+"""Delta pushes through the wire and the cluster: every actor ends with the
+trainer's cast weights bit for bit, a replacement too, and a bad or missing
+delta bucket commits nowhere."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import pytest
+import torch
+
+from rollout import RolloutCluster
+from rollout.cluster.actor import RolloutWorker
+from rollout.cluster.actor_slots import ActorGone
+from rollout.cluster.wire import Manifest
+from rollout.cluster.wire_send import BucketPacker
+from rollout.engine.weight_delta import DeltaEncoder
+from tests.conftest import make_engine
+from tests.rollout.engine.test_weight_delta import PARAMS, PROMPTS, _samples, _train_steps, assert_holds
+from trainer_bridge import TrainerBridge
+from trainer_bridge.names import export_state_dict
+
+BF16 = torch.bfloat16
+ENGINE = dict(device="cpu", max_batch_size=8, max_seq_len=128, kv_cache_tokens=1024, dtype="bfloat16")
+
+
+def _packed(state):
+    packed = list(BucketPacker(bucket_bytes=1 << 15).pack_buckets(state))
+    manifest = Manifest(tuple(e for p in packed for e in p.entries), tuple(p.nbytes for p in packed))
+    return packed, manifest
+
+
+def test_a_corrupt_or_missing_delta_bucket_commits_nothing(qwen2):
+    worker = RolloutWorker(qwen2.path, ENGINE)
+    model = copy.deepcopy(qwen2.hf).train()
+    enc = DeltaEncoder()
+    first = enc.encode(export_state_dict(qwen2.hf, BF16), base=0)
+    packed, manifest = _packed(first.state_dict)
+    for p in packed:
+        worker.stage_bucket("first", p.index, p.entries, list(p.segments))
+    worker.prepare_push("first", manifest)
+    assert worker.commit_push("first", 1, "keep") == 1
+    enc.commit(first)
+    next(_train_steps(model, steps=1, lr=3e-4, seed=5))
+    cast = export_state_dict(model, BF16)
+    delta = enc.encode(cast, base=1)
+    assert delta.cost.encoding == "delta"
+    packed, manifest = _packed(delta.state_dict)
+    assert len(packed) > 1
+    before = export_state_dict(qwen2.hf, BF16)
+    segments = [s.copy() for s in packed[0].segments]
+    segments[0][3] ^= 0x10
+    with pytest.raises(ValueError, match="fails its checksum"):
+        worker.stage_bucket("bad", 0, packed[0].entries, segments)
+    for p in packed[1:]:
+        worker.stage_bucket("bad", p.index, p.entries, list(p.segments))
+    with pytest.raises(ValueError, match="bucket 0 did not arrive intact"):  # missing: nothing staged
+        worker.prepare_push("bad", manifest)
+    assert worker.engine.policy_version == 1
+    assert_holds(worker.engine, before)
+    for p in packed:
+        worker.stage_bucket("good", p.index, p.entries, list(p.segments))
+    worker.prepare_push("good", manifest)
+    assert worker.commit_push("good", 2, "keep") == 2
+    assert_holds(worker.engine, cast)
+
+
+def test_delta_pushes_to_a_cluster_and_a_replacement_hold_the_trainers_weights(ray_session, qwen2):
+    kw = {k: v for k, v in ENGINE.items() if k != "device"}
+    cluster = RolloutCluster(qwen2.path, num_actors=2, num_cpus_per_actor=1, timeout_s=120, bucket_bytes=1 << 15, **kw)
+    try:
+        bridge = TrainerBridge(cluster)
+        model = copy.deepcopy(qwen2.hf).train()
+        steps = _train_steps(model, steps=3, lr=3e-4, seed=7)
+        for round_ in range(3):
+            next(steps)
+            assert bridge.push(model) == round_ + 1
+            cost = cluster.last_push
+            assert (cost.encoding == "delta") == (round_ > 0) and cost.bytes_sent <= cost.bytes_full
+            if round_ == 1:  # an actor dies between two delta pushes
+                victim, dead_pid = cluster._slots[0], cluster._slots[0].pid
+                os.kill(dead_pid, signal.SIGKILL)
+                [(_, gone)] = cluster._pool.call_all([victim], "policy_version", (), "answering after SIGKILL")
+                assert isinstance(gone, ActorGone)
+                cluster.wait_until_healthy(120)
+                assert dead_pid not in [h["pid"] for h in cluster.health()]
+        cast = export_state_dict(model, BF16)
+        assert cluster.reference_bytes == sum(t.nbytes for t in cast.values())
+        fresh = make_engine(qwen2.path, **ENGINE)
+        fresh.update_weights(cast)
+        expected = _samples(fresh)
+        for slot in cluster._slots:  # each actor asked directly
+            stream = slot.handle.generate_stream.remote(list(range(len(PROMPTS))), PROMPTS, PARAMS)
+            outs = [ray_session.get(ref) for ref in stream]
+            assert [[(s.token_ids, s.logprobs) for s in o.samples] for o in outs] == expected
+            assert {v for o in outs for s in o.samples for v in s.versions} == {3}
+    finally:
+        cluster.shutdown()
