@@ -48,8 +48,8 @@ class WeightPusher:
             self.last_push = PushCost(full, full, time.perf_counter() - start, "full", {"full": len(state)})
             return v
         base = self.target.policy_version
-        if base != self._version:  # pushed by someone else since: the copy is not what the engine holds
-            self._encoder.clear()
+        if base != self._version or "weights" in self.target.asleep:
+            self._encoder.clear()  # the engine holds other weights (another pusher) or none (a sleep): send whole
         encoded = self._encoder.encode(state, base, delta)
         v = self.target.update_weights(encoded.state_dict, version, inflight)
         self._encoder.commit(encoded)

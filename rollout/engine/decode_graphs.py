@@ -165,6 +165,12 @@ class DecodeGraphs:
         """A step outside the graphs wrote the workspace: pad again before the next replay."""
         self._padded = None
 
+    def release(self) -> None:
+        """Drop every captured graph and their memory pool (the KV pool they point into is freed)."""
+        self._graphs.clear()
+        self._pool = None
+        self._padded = None
+
     def _capture(self, key: GraphKey) -> torch.cuda.CUDAGraph | None:
         """Capture `key`'s graph; None (and that key stays eager) if capture fails.
 

@@ -41,6 +41,7 @@ from .requests import PromptLimits, make_requests
 from .scheduler import Scheduler
 from .sequence import Request
 from .session import EngineTurns, Session
+from .sleep import SleepAPI
 from .step_failures import RequestFailures, StepOutcome, recovering, run_step
 from .step_stats import StepInfo, StepLog
 from .stepper import Stepper
@@ -51,7 +52,7 @@ from .weight_update import WeightUpdater
 from .weights_api import WeightsAPI
 
 
-class Engine(WeightsAPI):
+class Engine(WeightsAPI, SleepAPI):
     """Samples `n` responses per prompt with per-token logprobs and policy versions.
 
     Arguments (see docs/design.md): `model_path` is a Hugging Face checkpoint
@@ -125,8 +126,7 @@ class Engine(WeightsAPI):
         self._rng = random.Random(cfg.seed)
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
-        # Added and discarded without a lock (single set operations): a generator's
-        # cleanup may run wherever it is collected, even under the guard.
+        # Lock-free (single set operations): a generator's cleanup may run anywhere, even under the guard.
         self._iterators = OpenIterators()
         self._step_callback = step_callback  # called by the thread that stepped, outside the guard
         self._step_log = StepLog()
@@ -299,6 +299,7 @@ class Engine(WeightsAPI):
 
     def _requests(self, prompts, params: SamplingParams) -> list[Request]:
         """Validated requests for `prompts` (see `make_requests`); raises before any exists."""
+        self._check_awake()
         return make_requests(
             prompts,
             params,
@@ -321,8 +322,7 @@ class Engine(WeightsAPI):
             self._step_callback(info)
 
     def _abort(self, requests: list[Request]) -> None:
-        """End every unfinished sample of `requests` now with reason "abort",
-        tokens kept, KV freed; those not yet added to the scheduler end too."""
+        """End every unfinished sample of `requests` now ("abort"), tokens kept, KV freed, unstarted ones too."""
         with self._guard.ahead_of_steps():
             self._check_open()
             live = set(map(id, self.scheduler.requests))

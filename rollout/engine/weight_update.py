@@ -40,6 +40,7 @@ class StagedUpdate:
     nbytes: int  # bytes the commit installs
     done: bool = field(default=False)  # committed or discarded
     base: int | None = None  # a delta's base version: the commit refuses to install it over any other
+    restores: bool = False  # it sets every weight that a sleep discarded (see `rollout.engine.sleep`)
 
 
 class WeightUpdater:
@@ -187,6 +188,11 @@ class WeightUpdater:
         for pname, buffer in staged.staging.items():
             if pname not in staged.swaps:
                 self._spare.setdefault(pname, buffer)
+
+    def forget_buffers(self) -> None:
+        """The live weights are being freed: drop the spare staging buffers with them."""
+        self._spare.clear()
+        self._adopted.clear()
 
     def release(self, staged: StagedUpdate) -> None:
         """`staged` will not be committed: its staging buffers become free again."""

@@ -4,7 +4,8 @@ version guard, applying the push's in-flight mode.
 
 A mixin of `Engine`, kept apart so the engine module stays the glue of one
 step. It uses the engine's `_guard`, `_update_lock`, `_updater`,
-`scheduler`, `decode_cache`, `_iterators`, `_background` and `_closed`.
+`scheduler`, `decode_cache`, `_iterators`, `_background` and `_closed`,
+and `SleepAPI`'s checks of weights a sleep discarded.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .weight_delta import is_delta
 from .weight_update import StagedUpdate
 
 INFLIGHT_MODES = ("recompute", "keep", "drain", "restart")
@@ -64,12 +66,13 @@ class WeightsAPI:
         """
         self._check_open()
         with self._update_lock:
+            restores = self._before_push(state_dict, isinstance(state_dict, Mapping) and is_delta(state_dict))
             base, state_dict = self._updater.expand(state_dict, self._guard.version)
             if base is not None and not state_dict:  # a delta that changes nothing: the version moves
                 return StagedUpdate([], {}, {}, frozenset(), 0, base=base)
             items = self._updater.validate(state_dict, check_finite=not verified_finite)
             staged = self._updater.stage(items, adopt=adopt)
-            staged.base = base
+            staged.base, staged.restores = base, restores
             return staged
 
     def discard_weights(self, staged: StagedUpdate) -> None:
@@ -94,12 +97,14 @@ class WeightsAPI:
 
         def apply(_: int) -> None:
             self._check_open()  # a close that came first leaves nothing to install into
+            self._check_commit(staged.restores)
             if staged.base is not None and staged.base != self._guard.version:
                 raise ValueError(
                     f"delta push is relative to version {staged.base}, but version {self._guard.version} "
                     "was committed since it was prepared"
                 )
             self._updater.commit(staged)
+            self._after_commit(staged.restores)
             self.scheduler.on_weights_committed(inflight)
             self.decode_cache.invalidate()
 

@@ -90,6 +90,11 @@ class PackedWeights:
         """The weights `names` (all when None) have new values: their copies are stale."""
         self._stale.update(self._params if names is None else (n for n in names if n in self._params))
 
+    def release(self) -> None:
+        """Free every copy (the weights are being freed); later steps repack."""
+        self._packed.clear()
+        self._stale.update(self._params)
+
     def start_step(self) -> None:
         """Repack up to `per_step` stale copies, in parameter order, whichever GEMMs the step runs."""
         if self._stale:
