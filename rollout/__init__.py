@@ -18,12 +18,21 @@ from .cluster import (
     shutdown,
     submit,
 )
-from .engine import INFLIGHT_MODES, ClosedError, Engine, PolicyVersionGuard, StepInfo, generation_pause
+from .engine import (
+    INFLIGHT_MODES,
+    ClosedError,
+    Engine,
+    EngineAsleepError,
+    PolicyVersionGuard,
+    StepInfo,
+    generation_pause,
+)
 from .outputs import RolloutOutput, Sample
 from .sampling_params import LOGPROBS_MODES, SamplingParams
 
 __all__ = [
     "ClosedError",
+    "EngineAsleepError",
     "GenerationHandle",
     "PushHandle",
     "RolloutCluster",

@@ -263,6 +263,14 @@ class RolloutWorker:
             staged, _ = self._prepared.pop(push_id)
         return self.engine.commit_weights(staged, version, inflight)
 
+    def sleep(self, level: int) -> None:
+        """`Engine.sleep` (see `rollout.engine.sleep`)."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        """`Engine.wake_up`."""
+        self.engine.wake_up(tags)
+
     def abort_push(self, push_id: str) -> None:
         """Drop a push: its received buckets, its staged update, and any of its buckets still to come."""
         with self._lock:

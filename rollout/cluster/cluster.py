@@ -18,6 +18,7 @@ import torch
 from ..checks import check_int, check_positive
 from ..engine.requests import PromptLimits, prompt_token_ids
 from ..engine.session import Session
+from ..engine.sleep import check_sleep_level, check_wake_tags
 from ..engine.streams import TokenStream
 from ..engine.weight_delta import PushCost
 from ..episodes import Episode, run_episodes, run_episodes_async
@@ -204,6 +205,24 @@ class RolloutCluster:
         """Bytes of the copy of the live weights the driver keeps for delta pushes (0 before the first)."""
         return self._pushes.reference_bytes
 
+    def sleep(self, level: int = 1) -> None:
+        """Put every live actor's engine to sleep (`Engine.sleep`): level 1
+        frees the KV pools, level 2 the weights too, and the next push then
+        goes whole. Generation calls fail while the actors sleep; a
+        replacement actor starts awake. Raises the first actor's error (actors
+        that slept stay asleep: `wake_up` undoes it)."""
+        check_sleep_level(level)
+        self._pool.check_open()
+        if level == 2:
+            self._pushes.whole_next = True
+        _raise_first(self._pool.call_all(self._pool.alive(), "sleep", (level,), f"sleeping (level {level})"))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """`Engine.wake_up(tags)` on every live actor; raises the first actor's error."""
+        tags = None if tags is None else list(check_wake_tags(tags))
+        self._pool.check_open()
+        _raise_first(self._pool.call_all(self._pool.alive(), "wake_up", (tags,), "waking up"))
+
     def policy_version(self) -> int:
         """The version of the last push every live actor committed. While a
         push is committing, actors that have committed it already serve its
@@ -267,3 +286,9 @@ def _checked_counts(num_actors, gpus, cpus, generate_concurrency, session_concur
             ("session_concurrency", session_concurrency, 1),
         )
     ]
+
+
+def _raise_first(results: list) -> None:
+    for slot, result in results:
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"{slot.label}: {result}") from result

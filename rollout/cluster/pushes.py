@@ -61,6 +61,7 @@ class WeightPushes:
         self._stall_timeout_s = stall_timeout_s
         self._encoder: DeltaEncoder | None = None  # from the first delta push on: the live weights' copy
         self.last_push: PushCost | None = None  # the cost of the last push that committed
+        self.whole_next = False  # the actors' weights were discarded (sleep level 2): the next push goes whole
 
     @property
     def reference_bytes(self) -> int:
@@ -115,7 +116,7 @@ class WeightPushes:
             self._encoder = DeltaEncoder()
         encoded = None
         if self._encoder is not None:
-            encoded = self._encoder.encode(state_dict, self._versions.version, delta)
+            encoded = self._encoder.encode(state_dict, self._versions.version, delta and not self.whole_next)
             state_dict, cost = encoded.state_dict, encoded.cost
         else:
             full = sum(t.nbytes for t in state_dict.values())
@@ -229,6 +230,7 @@ class WeightPushes:
         if shipment.encoded is not None:
             self._encoder.commit(shipment.encoded)  # before the lock is released: replacements snapshot it
         self._versions.commit(version)
+        self.whole_next = False
         self.last_push = dataclasses.replace(shipment.cost, seconds=time.perf_counter() - shipment.started)
 
 

@@ -6,8 +6,17 @@ cluster (`rollout.cluster`) wraps it in actors.
 """
 
 from .engine import ClosedError, Engine
+from .errors import EngineAsleepError
 from .step_stats import StepInfo, generation_pause
 from .version_guard import PolicyVersionGuard
 from .weights_api import INFLIGHT_MODES
 
-__all__ = ["INFLIGHT_MODES", "ClosedError", "Engine", "PolicyVersionGuard", "StepInfo", "generation_pause"]
+__all__ = [
+    "INFLIGHT_MODES",
+    "ClosedError",
+    "Engine",
+    "EngineAsleepError",
+    "PolicyVersionGuard",
+    "StepInfo",
+    "generation_pause",
+]

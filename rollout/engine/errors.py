@@ -14,6 +14,11 @@ class ClosedError(ValueError, UnavailableError):
     kind of handler catches it."""
 
 
+class EngineAsleepError(UnavailableError):
+    """A call that would generate on an engine put to sleep (`Engine.sleep`):
+    `wake_up()` first, and after level 2 push the weights. A server answers 503."""
+
+
 class NoLiveActorError(UnavailableError):
     """Every actor of a cluster is dead for good."""
 

@@ -9,8 +9,8 @@ its memory back while the trainer steps.
   push must set every weight whole (a delta has nothing to apply to).
 - `wake_up(tags=None)` brings back what `tags` names: "weights" (storage
   for the weights, to be filled by that push when level 2 discarded them),
-  "kv_cache" (a fresh, empty pool); None both. Waking the weights before the
-  KV avoids holding both the trainer's memory and a new pool at a peak.
+  "kv_cache" (a fresh, empty pool); None both. Waking the weights, pushing,
+  then waking the KV keeps the push's staging and a new pool from adding up.
 
 Memory goes back to the system, not to a cache: on the CPU the KV pool is
 an anonymous mapping and large tensors are `mmap`ed by the allocator, so
@@ -18,9 +18,10 @@ freeing them unmaps their pages; on CUDA the caching allocator's free blocks
 are returned to the driver (`torch.cuda.empty_cache`).
 
 While the KV is asleep, calls that would generate raise `EngineAsleepError`
-(a `RuntimeError`) at once, and so they do while discarded weights wait for
-their push. Weight pushes are accepted asleep; versions never change by
-sleeping. A sleep refuses while sequences are in flight.
+(a `RuntimeError`; a server answers 503) at once, and so they do while
+discarded weights wait for their push. Weight pushes are accepted asleep;
+sleeping never changes the version. A sleep refuses while requests are in
+flight.
 
 A mixin of `Engine`; it uses the engine's `_guard`, `_update_lock`,
 `_updater`, `scheduler`, `stepper`, `decode_cache`, `kv_pool`, `model`
@@ -35,12 +36,10 @@ import torch
 
 from workspace.kv_pool import zero_pages
 
+from .errors import EngineAsleepError
+
 SLEEP_LEVELS = (1, 2)
 WAKE_TAGS = ("weights", "kv_cache")
-
-
-class EngineAsleepError(RuntimeError):
-    """The engine was put to sleep; `wake_up()` first (or push the weights after level 2)."""
 
 
 class SleepAPI:
@@ -61,8 +60,7 @@ class SleepAPI:
         sequences are in flight (wait for them or abort them); nothing is
         freed then. Sleeping again at a deeper level frees the rest.
         """
-        if isinstance(level, bool) or level not in SLEEP_LEVELS:
-            raise ValueError(f"level must be one of {SLEEP_LEVELS}, got {level!r}")
+        check_sleep_level(level)
         self._check_open()
         with self._update_lock, self._guard.ahead_of_steps():
             self._check_open()
@@ -90,7 +88,7 @@ class SleepAPI:
         what is awake does nothing. Weights that level 2 discarded get their
         storage back but stay refused for generation until a push sets them.
         """
-        wanted = _check_tags(tags)
+        wanted = check_wake_tags(tags)
         self._check_open()
         with self._update_lock, self._guard.ahead_of_steps():
             self._check_open()
@@ -166,7 +164,14 @@ class SleepAPI:
             self._weights_discarded = False
 
 
-def _check_tags(tags) -> tuple[str, ...]:
+def check_sleep_level(level) -> None:
+    """Raise `ValueError` unless `level` is one of SLEEP_LEVELS."""
+    if isinstance(level, bool) or level not in SLEEP_LEVELS:
+        raise ValueError(f"level must be one of {SLEEP_LEVELS}, got {level!r}")
+
+
+def check_wake_tags(tags) -> tuple[str, ...]:
+    """The tags `wake_up(tags)` wakes; `ValueError` naming `tags` and the allowed values."""
     if tags is None:
         return WAKE_TAGS
     if isinstance(tags, str) or not isinstance(tags, (list, tuple)) or not tags:

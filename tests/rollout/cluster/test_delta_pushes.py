@@ -67,7 +67,16 @@ def test_a_corrupt_or_missing_delta_bucket_commits_nothing(qwen2):
     assert_holds(worker.engine, cast)
 
 
-def test_delta_pushes_to_a_cluster_and_a_replacement_hold_the_trainers_weights(ray_session, qwen2):
+def _actor_samples(cluster, ray_session):
+    out = []
+    for slot in cluster._slots:  # each actor asked directly
+        stream = slot.handle.generate_stream.remote(list(range(len(PROMPTS))), PROMPTS, PARAMS)
+        outs = [ray_session.get(ref) for ref in stream]
+        out.append(([[(s.token_ids, s.logprobs) for s in o.samples] for o in outs], outs))
+    return out
+
+
+def test_delta_pushes_a_replacement_and_sleep_on_a_cluster_hold_the_trainers_weights(ray_session, qwen2):
     kw = {k: v for k, v in ENGINE.items() if k != "device"}
     cluster = RolloutCluster(qwen2.path, num_actors=2, num_cpus_per_actor=1, timeout_s=120, bucket_bytes=1 << 15, **kw)
     try:
@@ -91,10 +100,21 @@ def test_delta_pushes_to_a_cluster_and_a_replacement_hold_the_trainers_weights(r
         fresh = make_engine(qwen2.path, **ENGINE)
         fresh.update_weights(cast)
         expected = _samples(fresh)
-        for slot in cluster._slots:  # each actor asked directly
-            stream = slot.handle.generate_stream.remote(list(range(len(PROMPTS))), PROMPTS, PARAMS)
-            outs = [ray_session.get(ref) for ref in stream]
-            assert [[(s.token_ids, s.logprobs) for s in o.samples] for o in outs] == expected
+        for samples, outs in _actor_samples(cluster, ray_session):
+            assert samples == expected
             assert {v for o in outs for s in o.samples for v in s.versions} == {3}
+        # Colocated: the actors sleep while the trainer steps; the push after level 2 goes whole.
+        cluster.sleep(level=2)
+        with pytest.raises(Exception, match="asleep"):
+            cluster.generate(PROMPTS, PARAMS)
+        next(_train_steps(model, steps=1, lr=3e-4, seed=9))
+        assert bridge.push(model) == 4 and cluster.last_push.encoding == "full"
+        cluster.wake_up(["kv_cache"])
+        fresh.update_weights(export_state_dict(model, BF16))
+        expected = _samples(fresh)
+        assert [samples for samples, _ in _actor_samples(cluster, ray_session)] == [expected, expected]
+        with pytest.raises(ValueError, match="tags must be None or a list"):
+            cluster.wake_up(["gpu"])
+        assert [slot.replacements for slot in cluster._slots] == [1, 0]  # sleeping is no failure
     finally:
         cluster.shutdown()

@@ -9,9 +9,8 @@ import copy
 import pytest
 import torch
 
-from rollout import SamplingParams
+from rollout import EngineAsleepError, SamplingParams
 from rollout.cluster.host import resident_bytes
-from rollout.engine.sleep import EngineAsleepError
 from tests.conftest import make_engine
 from tests.factories import _randomize
 from trainer_bridge import TrainerBridge
