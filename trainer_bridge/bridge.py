@@ -22,6 +22,7 @@ from .carry import Carry
 from .corrections import correction_weights
 from .group_collector import EngineRun, GroupCollector, GroupSource
 from .logprobs import token_logprobs
+from .lora import export_adapters, export_base, is_peft_lora
 from .names import export_state_dict
 from .pushing import WeightPusher
 from .staleness import StalenessPolicy
@@ -108,9 +109,15 @@ class TrainerBridge:
         engine's dtype); returns the new policy version. With `delta` (the
         default) only the elements whose cast value changed since the last
         push travel, in the smallest encoding per tensor; a copy of the
-        pushed weights is kept for that (docs/weight_sync.md). `last_push`
-        says what the push cost."""
-        state = export_state_dict(model_or_state_dict, self.dtype)
+        pushed weights is kept for that (docs/weight_sync.md). A PEFT LoRA
+        model pushes its adapters only; the engines merge them over the base
+        weights they keep. `last_push` says what the push cost."""
+        if is_peft_lora(model_or_state_dict):  # its adapters only (and its base over discarded weights)
+            state = export_adapters(model_or_state_dict)
+            if self._pusher.weights_discarded:
+                state.update(export_base(model_or_state_dict, self.dtype))
+        else:
+            state = export_state_dict(model_or_state_dict, self.dtype)
         start, wall = time.perf_counter(), time.time()
         v = self._pusher.push(state, version, inflight, delta)
         self.last_push_seconds = time.perf_counter() - start

@@ -11,6 +11,7 @@ import torch
 
 from rollout import Engine, RolloutCluster
 from rollout.engine.weight_delta import DeltaEncoder, PushCost
+from rollout.engine.weight_lora import adapter_cost, has_adapters
 
 
 class WeightPusher:
@@ -32,14 +33,26 @@ class WeightPusher:
             return self.target.reference_bytes
         return 0 if self._encoder is None else self._encoder.nbytes
 
+    @property
+    def weights_discarded(self) -> bool:
+        """Whether the engines' weights were freed by a level-2 sleep (the next push must set them all)."""
+        if isinstance(self.target, RolloutCluster):
+            return self.target.weights_discarded
+        return "weights" in self.target.asleep
+
     def push(self, state: Mapping[str, torch.Tensor], version: int | None, inflight: str, delta: bool) -> int:
         if not isinstance(delta, bool):
             raise TypeError(f"delta must be a bool, got {type(delta).__name__}")
         if isinstance(self.target, RolloutCluster):
-            v = self.target.push_weights(state, version, inflight, delta=delta)
+            v = self.target.push_weights(state, version, inflight, delta=delta and not has_adapters(state))
             self.last_push = self.target.last_push
             return v
         start = time.perf_counter()
+        if has_adapters(state):  # the adapted weights change under the copy: a later delta starts whole
+            self._encoder = None
+            v = self.target.update_weights(state, version, inflight)
+            self.last_push = adapter_cost(state, self.target.config.dtype, time.perf_counter() - start)
+            return v
         if delta and self._encoder is None:
             self._encoder = DeltaEncoder()
         if self._encoder is None:

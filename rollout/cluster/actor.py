@@ -18,6 +18,7 @@ import torch
 from ..checks import is_int
 from ..engine.engine import Engine
 from ..engine.requests import PromptLimits
+from ..engine.weight_lora import has_adapters
 from ..engine.weight_update import StagedUpdate, all_finite
 from ..model.weight_slots import WeightSlot
 from ..outputs import RolloutOutput, Sample
@@ -113,6 +114,8 @@ class RolloutWorker:
         the value of its bytes (cast to the engine's dtype as a commit does)."""
         slots = self.engine.model.weight_slots()
         tensors = unpack([assemble(b)[0] for b in buckets], manifest)
+        if has_adapters(tensors):  # adapted tensors hold their base merged with the adapter
+            tensors = self.engine._updater.lora.expand(tensors, lambda name: slots[name].view()).full
         for name, tensor in tensors.items():
             live = slots[name].view()
             if not torch.equal(live, tensor.to(live.device, live.dtype)):

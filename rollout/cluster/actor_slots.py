@@ -71,12 +71,16 @@ class PushGate:
     @property
     def latest(self) -> Published | None:
         """The weights a replacement loads; read holding `lock`."""
+        self.make_due_snapshot()
+        return self._record
+
+    def make_due_snapshot(self) -> None:
+        """Put a due snapshot in the store and compose it into the record now; call holding `lock`."""
         if self._snapshot is not None:
             version, make = self._snapshot
             manifest, refs = make()
             self._record = compose(self._record, manifest, version, refs, self.aliases)
             self._snapshot = None
-        return self._record
 
     @latest.setter
     def latest(self, value: Published | None) -> None:

@@ -112,6 +112,7 @@ class RolloutCluster:
         self._watchdog.start()
         self._limits = desc["limits"]
         self.engine_dtype: torch.dtype = getattr(torch, desc["dtype"])
+        self._pushes.engine_dtype = self.engine_dtype
         tok = desc["tokenizer_json"]
         self._codec = TextCodec.from_json(tok, desc["eos_token_ids"], desc["chat"]) if tok else None
         self._dispatch = GenerationDispatch(self._pool, self._limits, self._codec)
@@ -199,6 +200,11 @@ class RolloutCluster:
     def last_push(self) -> PushCost | None:
         """Bytes sent, bytes of a full push, seconds and encoding of the last committed push."""
         return self._pushes.last_push
+
+    @property
+    def weights_discarded(self) -> bool:
+        """Whether a level-2 `sleep` freed the actors' weights and no push has set them since."""
+        return self._pushes.whole_next
 
     @property
     def reference_bytes(self) -> int:

@@ -46,7 +46,9 @@ def compose(
     The push's entries replace those of the same names, and of the names
     `aliases` says the engine holds in the same weight (a tied
     `lm_head.weight` is the embedding): a push that sets the embedding
-    under either name supersedes both. A bucket none of whose entries is
+    under either name supersedes both, and the adapter entries an earlier
+    push set on them (`name@lora.*`: the tensor's new value is its base
+    now). A bucket none of whose entries is
     current any more is dropped, so the object store does not keep every
     push; a push of every tensor leaves nothing of the ones before it.
     """
@@ -55,6 +57,8 @@ def compose(
     aliases = aliases or {}
     pushed = {e.name for e in manifest.entries}
     superseded = pushed | {other for name in pushed for other in aliases.get(name, ())}
+    if previous is not None:  # a tensor set whole drops the adapter an earlier push set on it
+        superseded |= {e.name for e in previous.manifest.entries if e.name.split("@", 1)[0] in superseded}
     # (bucket key, ref, bucket size, entry): a bucket is known by the push it came with and its index there.
     sources: list[tuple[tuple[int, int], object, int, TensorEntry]] = []
     if previous is not None:

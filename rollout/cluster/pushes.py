@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.weight_delta import DeltaEncoder, Encoded, PushCost
+from ..engine.weight_lora import adapter_cost, has_adapters
 from ..engine.weights_api import check_inflight
 from .actor_pool import ActorPool
 from .actor_slots import ActorCall, ActorGone, ActorSlot, PushGate
@@ -38,6 +39,7 @@ class _Shipment:
     encoded: Encoded | None  # the encoded push, once the cluster keeps a copy of the live weights
     cost: PushCost  # what it sends (seconds still 0)
     started: float  # perf_counter when the call came
+    adapters: bool  # an adapter push (`weight_lora`): published composed, never encoded
 
 
 class WeightPushes:
@@ -62,6 +64,7 @@ class WeightPushes:
         self._encoder: DeltaEncoder | None = None  # from the first delta push on: the live weights' copy
         self.last_push: PushCost | None = None  # the cost of the last push that committed
         self.whole_next = False  # the actors' weights were discarded (sleep level 2): the next push goes whole
+        self.engine_dtype = torch.float32  # the actors' dtype, once they described themselves
 
     @property
     def reference_bytes(self) -> int:
@@ -112,10 +115,15 @@ class WeightPushes:
         the live weights (`weight_delta.DeltaEncoder`), whole or as a delta."""
         ray = ray_module()
         version = self._versions.check_next(requested)
+        adapters = has_adapters(state_dict)
+        if delta and adapters:
+            raise ValueError("delta=True cannot encode an adapter push; push adapters with delta=False")
         if delta and self._encoder is None:
             self._encoder = DeltaEncoder()
         encoded = None
-        if self._encoder is not None:
+        if adapters:
+            cost = adapter_cost(state_dict, self.engine_dtype, 0.0)
+        elif self._encoder is not None:
             encoded = self._encoder.encode(state_dict, self._versions.version, delta and not self.whole_next)
             state_dict, cost = encoded.state_dict, encoded.cost
         else:
@@ -137,7 +145,7 @@ class WeightPushes:
                 )
                 roles.append(role)
         manifest = Manifest(tuple(entries), tuple(sizes))
-        return _Shipment(version, push_id, slots, manifest, tuple(refs), calls, roles, encoded, cost, started)
+        return _Shipment(version, push_id, slots, manifest, tuple(refs), calls, roles, encoded, cost, started, adapters)
 
     def _snapshot(self) -> tuple[Manifest, tuple]:
         """The copy of the live weights, put in the store as a push's buckets, for a replacement actor."""
@@ -163,6 +171,8 @@ class WeightPushes:
                     self._abort(shipment.push_id, shipment.slots)
                 raise
             previous = self._gate.saved()
+            if shipment.adapters:  # a due snapshot holds the adapted tensors' bases: the adapters compose over it
+                self._gate.make_due_snapshot()
             if shipment.encoded is None or shipment.cost.encoding == "full":
                 self._gate.publish(shipment.manifest, shipment.version, shipment.refs)
             if shipment.encoded is not None:
@@ -227,7 +237,9 @@ class WeightPushes:
         if shipment.slots and all(isinstance(r, BaseException) for _, r in committed):
             self._gate.restore(previous)  # their replacements, waiting for the lock, load the version before
             raise _all_lost(committed, version, "committed", self._versions.version)
-        if shipment.encoded is not None:
+        if shipment.adapters:
+            self._encoder = None  # the adapted tensors moved under its copy: a later delta push starts whole
+        elif shipment.encoded is not None:
             self._encoder.commit(shipment.encoded)  # before the lock is released: replacements snapshot it
         self._versions.commit(version)
         self.whole_next = False

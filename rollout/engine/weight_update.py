@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from ..model.decoder import Model
 from ..model.weight_slots import WeightSlot
-from .weight_delta import apply_patch, is_delta, split
+from .weight_delta import BASE, apply_patch, is_delta, split
+from .weight_lora import LoraBases, LoraPlan, has_adapters
 
 
 @dataclass(slots=True)
@@ -41,6 +43,15 @@ class StagedUpdate:
     done: bool = field(default=False)  # committed or discarded
     base: int | None = None  # a delta's base version: the commit refuses to install it over any other
     restores: bool = False  # it sets every weight that a sleep discarded (see `rollout.engine.sleep`)
+    lora: LoraPlan | None = None  # what the commit does to the adapter bases (None: nothing)
+
+
+class Expanded(NamedTuple):
+    """A push as the tensors it sets."""
+
+    base: int | None  # a delta's base version
+    state_dict: Mapping[str, torch.Tensor]  # every tensor it sets, whole
+    lora: LoraPlan | None  # what its commit does to the adapter bases
 
 
 class WeightUpdater:
@@ -51,29 +62,41 @@ class WeightUpdater:
         self.rebind = next(iter(self._live.values())).device.type == "cpu"  # see the module docstring
         self._spare: dict[str, torch.Tensor] = {}  # owned buffers free for staging, by parameter
         self._adopted: set[str] = set()  # parameters whose live storage is the caller's memory
+        self.lora = LoraBases()  # base weights of the tensors adapter pushes set
 
-    def expand(self, state_dict: Mapping[str, torch.Tensor], version: int) -> tuple[int | None, Mapping]:
-        """`(None, state_dict)` for a plain push; for a delta push
-        (`weight_delta`), its base version and every tensor it changes,
-        built from the live weights. Raises `ValueError` when the delta is
-        relative to another version than `version` or does not fit."""
-        if not isinstance(state_dict, Mapping) or not is_delta(state_dict):
-            return None, state_dict
+    def expand(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Expanded:
+        """Every tensor a push sets, with what a delta or adapter push needs
+        at commit. A plain push is itself; a delta push (`weight_delta`) is
+        checked against `version` and its tensors built from the live
+        weights; an adapter push (`weight_lora`) is merged over the kept
+        bases. Raises `ValueError`/`TypeError` naming the first bad entry;
+        nothing changes here."""
+        if not isinstance(state_dict, Mapping):
+            return Expanded(None, state_dict, None)
+        delta, adapters = is_delta(state_dict), has_adapters(state_dict)
+        if delta and adapters:
+            raise ValueError("a push cannot carry both a delta and adapters")
+        if adapters:
+            plan = self.lora.expand(state_dict, self._live_view)
+            return Expanded(None, plan.full, plan)
+        cleared = LoraPlan({}, {}, frozenset(k for k in state_dict if not delta or k != BASE))
+        if not delta:
+            return Expanded(None, state_dict, cleared if self.lora.bases else None)
         parts = split(state_dict)
         if parts.base != version:
             raise ValueError(
                 f"delta push is relative to version {parts.base}, but this engine holds version {version}: "
                 "push the weights whole"
             )
-        unknown = [name for name in parts.patches if name not in self.slots]
-        if unknown:
-            raise ValueError(
-                f"delta push changes {unknown[0]!r}, not a parameter of this {self.model.cfg.model_type} model"
-            )
         full = dict(parts.whole)
         for name, patch in parts.patches.items():
-            full[name] = apply_patch(name, self.slots[name].view(), patch)
-        return parts.base, full
+            full[name] = apply_patch(name, self._live_view(name), patch)
+        return Expanded(parts.base, full, LoraPlan({}, {}, frozenset(full)) if self.lora.bases else None)
+
+    def _live_view(self, name: str) -> torch.Tensor:
+        if name not in self.slots:
+            raise ValueError(f"push changes {name!r}, not a parameter of this {self.model.cfg.model_type} model")
+        return self.slots[name].view()
 
     def validate(
         self, state_dict: Mapping[str, torch.Tensor], check_finite: bool = True
@@ -173,6 +196,8 @@ class WeightUpdater:
         if staged.done:
             raise RuntimeError("this weight update was committed or discarded already")
         staged.done = True  # from here on its buffers belong to the live weights or the spare pool
+        if staged.lora is not None:
+            self.lora.commit(staged.lora)
         with torch.no_grad():
             for dst, src in staged.copies:
                 dst.copy_(src)
@@ -193,6 +218,7 @@ class WeightUpdater:
         """The live weights are being freed: drop the spare staging buffers with them."""
         self._spare.clear()
         self._adopted.clear()
+        self.lora.clear()
 
     def release(self, staged: StagedUpdate) -> None:
         """`staged` will not be committed: its staging buffers become free again."""

@@ -67,12 +67,12 @@ class WeightsAPI:
         self._check_open()
         with self._update_lock:
             restores = self._before_push(state_dict, isinstance(state_dict, Mapping) and is_delta(state_dict))
-            base, state_dict = self._updater.expand(state_dict, self._guard.version)
+            base, state_dict, lora = self._updater.expand(state_dict, self._guard.version)
             if base is not None and not state_dict:  # a delta that changes nothing: the version moves
                 return StagedUpdate([], {}, {}, frozenset(), 0, base=base)
             items = self._updater.validate(state_dict, check_finite=not verified_finite)
             staged = self._updater.stage(items, adopt=adopt)
-            staged.base, staged.restores = base, restores
+            staged.base, staged.restores, staged.lora = base, restores, lora
             return staged
 
     def discard_weights(self, staged: StagedUpdate) -> None:

@@ -8,6 +8,7 @@ import copy
 import os
 import signal
 
+import peft
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from rollout.engine.weight_delta import DeltaEncoder
 from tests.conftest import make_engine
 from tests.rollout.engine.test_weight_delta import PARAMS, PROMPTS, _samples, _train_steps, assert_holds
 from trainer_bridge import TrainerBridge
+from trainer_bridge.lora import export_adapters
 from trainer_bridge.names import export_state_dict
 
 BF16 = torch.bfloat16
@@ -76,7 +78,17 @@ def _actor_samples(cluster, ray_session):
     return out
 
 
-def test_delta_pushes_a_replacement_and_sleep_on_a_cluster_hold_the_trainers_weights(ray_session, qwen2):
+def _kill_and_replace(cluster, index: int) -> None:
+    victim, dead_pid = cluster._slots[index], cluster._slots[index].pid
+    os.kill(dead_pid, signal.SIGKILL)
+    # The cluster learns of a death from a call that fails; this one starts the replacement.
+    [(_, gone)] = cluster._pool.call_all([victim], "policy_version", (), "answering after SIGKILL")
+    assert isinstance(gone, ActorGone)
+    cluster.wait_until_healthy(120)
+    assert dead_pid not in [h["pid"] for h in cluster.health()]
+
+
+def test_delta_and_adapter_pushes_failovers_and_sleep_on_a_cluster(ray_session, qwen2):
     kw = {k: v for k, v in ENGINE.items() if k != "device"}
     cluster = RolloutCluster(qwen2.path, num_actors=2, num_cpus_per_actor=1, timeout_s=120, bucket_bytes=1 << 15, **kw)
     try:
@@ -89,12 +101,7 @@ def test_delta_pushes_a_replacement_and_sleep_on_a_cluster_hold_the_trainers_wei
             cost = cluster.last_push
             assert (cost.encoding == "delta") == (round_ > 0) and cost.bytes_sent <= cost.bytes_full
             if round_ == 1:  # an actor dies between two delta pushes
-                victim, dead_pid = cluster._slots[0], cluster._slots[0].pid
-                os.kill(dead_pid, signal.SIGKILL)
-                [(_, gone)] = cluster._pool.call_all([victim], "policy_version", (), "answering after SIGKILL")
-                assert isinstance(gone, ActorGone)
-                cluster.wait_until_healthy(120)
-                assert dead_pid not in [h["pid"] for h in cluster.health()]
+                _kill_and_replace(cluster, 0)
         cast = export_state_dict(model, BF16)
         assert cluster.reference_bytes == sum(t.nbytes for t in cast.values())
         fresh = make_engine(qwen2.path, **ENGINE)
@@ -116,5 +123,16 @@ def test_delta_pushes_a_replacement_and_sleep_on_a_cluster_hold_the_trainers_wei
         with pytest.raises(ValueError, match="tags must be None or a list"):
             cluster.wake_up(["gpu"])
         assert [slot.replacements for slot in cluster._slots] == [1, 0]  # sleeping is no failure
+        # Adapters over those weights, then a failover: the replacement merges them over the same base.
+        lora = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["o_proj"]))
+        with torch.no_grad():
+            for name, p in lora.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+        assert bridge.push(lora) == 5 and cluster.last_push.encoding == "lora"
+        _kill_and_replace(cluster, 1)
+        fresh.update_weights(export_adapters(lora))
+        expected = _samples(fresh)
+        assert [samples for samples, _ in _actor_samples(cluster, ray_session)] == [expected, expected]
     finally:
         cluster.shutdown()
