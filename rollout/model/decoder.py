@@ -197,7 +197,7 @@ class Model(nn.Module):
         else:
             for i, layer in enumerate(self.layers):
                 h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, eps), positions, meta, kv)
-                h = h + self._mlp(i, layer, rms_norm(h, layer.post_norm, eps))
+                h = h + self._mlp(i, layer, rms_norm(h, layer.post_norm, eps), kv, meta.slot_mapping)
         h = self._norm(h.index_select(0, sample_rows), self.norm)
         return self._project(h, *self._head).float()
 
@@ -210,7 +210,7 @@ class Model(nn.Module):
         ops.rms_norm(h, self.layers[0].input_norm, eps, x)
         for i, layer in enumerate(self.layers):
             ops.add_rms_norm_(h, self._attention(i, layer, x, positions, meta, kv), layer.post_norm, eps, x)
-            mlp = self._mlp(i, layer, x)
+            mlp = self._mlp(i, layer, x, kv, meta.slot_mapping)
             if i + 1 < len(self.layers):
                 ops.add_rms_norm_(h, mlp, self.layers[i + 1].input_norm, eps, x)
             else:
@@ -265,9 +265,12 @@ class Model(nn.Module):
         o = paged_attention(q, i, kv, meta, self.scale, cfg.sliding_windows[i])
         return self._project(o.reshape(t, cfg.q_size), *o_proj, layer.o_bias)
 
-    def _mlp(self, i, layer, x) -> torch.Tensor:
-        if layer.mlp is not None:
-            out, _ = sparse_mlp(x, layer.mlp, self.cfg.moe, self._ops.silu_mul if self._ops is not None else None)
+    def _mlp(self, i, layer, x, kv, slots) -> torch.Tensor:
+        if layer.mlp is not None:  # the experts chosen go to the pool with the tokens' KV
+            moe = self.cfg.moe
+            out, experts = sparse_mlp(x, layer.mlp, moe, self._ops.silu_mul if self._ops is not None else None)
+            if kv.routing is not None:
+                kv.write_routing(moe.moe_index[i], slots, experts)
             return out
         _, _, gate_up_proj, down_proj = self._projections[i]
         gate_up = self._project(x, *gate_up_proj)

@@ -14,20 +14,11 @@ import torch
 
 from rollout import SamplingParams
 from rollout.model import ModelConfig
-from tests.conftest import Checkpoint, make_engine
-from tests.factories import MOE_FAMILIES, hf_logprobs, make_checkpoint, with_pushes
+from tests.conftest import make_engine
+from tests.factories import MOE_FAMILIES, hf_logprobs, with_pushes
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(3, 28))]
 RAW = SamplingParams(n=2, max_tokens=10, ignore_eos=True, seed=5, logprobs_mode="raw")
-
-
-@pytest.fixture(scope="session")
-def moe_checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
-    out = {}
-    for i, family in enumerate(MOE_FAMILIES):
-        path = tmp_path_factory.mktemp(f"ckpt_{family}")
-        out[family] = Checkpoint(path, make_checkpoint(path, family, seed=20 + i))
-    return out
 
 
 def _max_error(hf, outs) -> float:
