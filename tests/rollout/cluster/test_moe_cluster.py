@@ -21,4 +21,3 @@ def test_cluster_returns_routed_experts(ray_session, moe_checkpoints):
         assert isinstance(outs[1].samples[0].routed_experts, np.ndarray)
     finally:
         cluster.shutdown()
-
