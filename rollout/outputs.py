@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 # Why a sample ended; the scheduler finishes a sequence with no other reason.
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -20,6 +22,10 @@ class Sample:
     # With params.top_logprobs = k: per token, the k most likely (token id, logprob) pairs of the
     # distribution `logprobs` is reported in, best first; None when not asked for.
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    # With params.return_routed_experts (mixture-of-experts models): the experts each of the first
+    # len(token_ids) - 1 tokens went to, `[len(token_ids) - 1, sparse layers, top_k]`, uint8 up to
+    # 256 experts else int16, best gate first; the last token was sampled, never computed.
+    routed_experts: np.ndarray | None = None
 
 
 def unstarted_sample(top_logprobs: int, decodes: bool) -> Sample:
@@ -36,3 +42,6 @@ class RolloutOutput:
     samples: list[Sample]
     prompt: str | None = None  # the prompt text, when it was given as text
     index: int | None = None  # position of the prompt in the call that submitted it
+    # With params.return_routed_experts: the prompt's routed experts `[len(prompt), sparse layers, top_k]`
+    # (None when no sample computed the whole prompt, e.g. aborted before it ran).
+    prompt_routed_experts: np.ndarray | None = None

@@ -47,6 +47,9 @@ class SamplingParams:
     seed: int | None = None  # per-request seed: same tokens whatever else is batched
     logprobs_mode: str = "processed"  # "processed" | "raw" | "scaled" (see `LOGPROBS_MODES`)
     top_logprobs: int = 0  # per token, this many most likely alternatives and their logprobs; 0 = off
+    # Mixture-of-experts models: the experts each position was routed to, per sparse layer
+    # (`RolloutOutput.prompt_routed_experts`, `Sample.routed_experts`); a dense model refuses it.
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         self.n = check_int("n", self.n, 1)
@@ -65,6 +68,8 @@ class SamplingParams:
         self.top_logprobs = check_int("top_logprobs", self.top_logprobs, 0, f"and <= {MAX_TOP_LOGPROBS} (0 = off)")
         if self.top_logprobs > MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if not isinstance(self.return_routed_experts, bool):
+            raise TypeError(f"return_routed_experts must be a bool, got {type(self.return_routed_experts).__name__}")
 
     def _check_distribution(self) -> None:
         """temperature, top_k, top_p and min_p, each in a range the step's buffers hold

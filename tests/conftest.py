@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     # which must be chosen before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.factories import FAMILIES, make_checkpoint
+from tests.factories import FAMILIES, MOE_FAMILIES, make_checkpoint
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
@@ -29,6 +29,16 @@ def checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
     for i, family in enumerate(FAMILIES):
         path = tmp_path_factory.mktemp(f"ckpt_{family}")
         out[family] = Checkpoint(path, make_checkpoint(path, family, seed=i))
+    return out
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
+    """Tiny qwen3_moe (a dense layer between sparse ones) and mixtral checkpoints."""
+    out = {}
+    for i, family in enumerate(MOE_FAMILIES):
+        path = tmp_path_factory.mktemp(f"ckpt_{family}")
+        out[family] = Checkpoint(path, make_checkpoint(path, family, seed=20 + i))
     return out
 
 

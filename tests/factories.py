@@ -11,6 +11,7 @@ import torch
 from scripts.presets import preset
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 # Per family, over the `test-tiny` preset (scripts/presets.py): the features the engine must cover.
 _FAMILY = {
@@ -30,6 +31,25 @@ _FAMILY = {
         tie_word_embeddings=True, head_dim=24, rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}
     ),
     "mistral": dict(tie_word_embeddings=False, head_dim=32, sliding_window=12, rope_theta=10000.0),
+    # Layer 1 dense between sparse ones; top-2 of 8 without renormalising (mixtral always renormalises).
+    "qwen3_moe": dict(
+        tie_word_embeddings=True,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
+        rope_theta=10000.0,
+    ),
+    "mixtral": dict(
+        tie_word_embeddings=False,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        intermediate_size=48,
+        sliding_window=12,
+        rope_theta=10000.0,
+    ),
 }
 
 

@@ -1,7 +1,8 @@
 """What a trainer imports: `TrainerBridge` (weight pushes with name mapping
 and dtype casts, rollouts as padded batches, the staleness bound),
-`RolloutBatch`, and `token_logprobs` (the engine's logprob math on the
-trainer's model)."""
+`RolloutBatch`, `token_logprobs` (the engine's logprob math on the
+trainer's model) and `routing_replay` (the engine's experts forced in a
+mixture-of-experts trainer's forward)."""
 
 from .alarm import MismatchAlarm, WeightSyncError
 from .batch import RolloutBatch
@@ -9,6 +10,7 @@ from .bridge import PendingRollout, TrainerBridge
 from .corrections import Correction, CorrectionResult, corrected_policy_loss, correction_weights
 from .logprobs import logprob_mismatch, token_logprobs
 from .names import canonical_name, export_state_dict
+from .routing_replay import routing_replay, sparse_routers
 from .staleness import STALE_ACTIONS, StalenessPolicy
 
 __all__ = [
@@ -26,5 +28,7 @@ __all__ = [
     "correction_weights",
     "export_state_dict",
     "logprob_mismatch",
+    "routing_replay",
+    "sparse_routers",
     "token_logprobs",
 ]

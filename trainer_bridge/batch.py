@@ -47,6 +47,10 @@ class RolloutBatch:
     response_attention: torch.Tensor | None = None
     prompts: list = field(default_factory=list)  # per group, the prompt as submitted (TrainerBridge.collect)
     collect_stats: dict = field(default_factory=dict)  # what collect dropped, aborted, carried, refilled
+    # [B, P + R, sparse layers, top_k] int64, aligned with input_ids: the experts the engine routed each
+    # position to (mixture-of-experts rollouts with return_routed_experts); -1 on padding and on each
+    # response's last token, which no forward computed. None when the outputs carry no routing.
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def from_outputs(
@@ -99,6 +103,7 @@ class RolloutBatch:
             finish_reasons=[s.finish_reason for *_, s, _ in rows],
             texts=[s.text for *_, s, _ in rows],
             policy_version=policy_version,
+            routed_experts=_routed_columns([(out, s) for _, _, out, s, _ in rows], p, r),
         )
 
     @classmethod
@@ -204,6 +209,20 @@ def _one_distribution(params: SamplingParams | list[SamplingParams]) -> Sampling
                     f"distribution, so turns may differ in {DISTRIBUTION} only across batches"
                 )
     return turns[0]
+
+
+def _routed_columns(rows: list[tuple[RolloutOutput, Sample]], p: int, r: int) -> torch.Tensor | None:
+    """The rows' routed experts laid out as `input_ids` (see `RolloutBatch.routed_experts`);
+    None unless every row has them."""
+    if not rows or any(out.prompt_routed_experts is None or s.routed_experts is None for out, s in rows):
+        return None
+    shape = rows[0][0].prompt_routed_experts.shape[1:]
+    routed = torch.full((len(rows), p + r, *shape), -1, dtype=torch.int64)
+    for i, (out, s) in enumerate(rows):
+        prompt = torch.from_numpy(out.prompt_routed_experts).long()
+        routed[i, p - len(prompt) : p] = prompt
+        routed[i, p : p + len(s.routed_experts)] = torch.from_numpy(s.routed_experts).long()
+    return routed
 
 
 def _per_output(params: SamplingParams | list[SamplingParams], count: int) -> list[SamplingParams]:

@@ -9,9 +9,12 @@ import torch
 from rollout.engine.sampler import SamplingBatch, logprobs_of
 
 from .batch import RolloutBatch
+from .routing_replay import routing_replay
 
 
-def token_logprobs(model: torch.nn.Module, batch: RolloutBatch, chunk_rows: int = 4096) -> torch.Tensor:
+def token_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, chunk_rows: int = 4096, replay_routing: bool = False
+) -> torch.Tensor:
     """Log-probabilities `[B, R]` of the batch's response tokens under `model`
     (a Hugging Face causal LM, or any module returning `.logits`), computed in
     float32 with each row's temperature, filters and `logprobs_mode`; 0 on
@@ -19,12 +22,21 @@ def token_logprobs(model: torch.nn.Module, batch: RolloutBatch, chunk_rows: int 
     that `model`'s logits put just past a top-p, min-p or top-k edge scores
     finite, never -inf (see `logprobs_of`). Differentiable; also sets
     `batch.mismatch` against the rollout's logprobs. `chunk_rows` bounds the
-    `[tokens, vocab]` working set."""
+    `[tokens, vocab]` working set. `replay_routing=True` (mixture-of-experts models,
+    a batch of rollouts that returned their routed experts): the forward uses the
+    engine's experts (`routing_replay`); `ValueError` when the batch has none."""
     p = batch.prompt_ids.shape[1]
     r = batch.response_ids.shape[1]
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-    ).logits
+    if replay_routing and batch.routed_experts is None:
+        raise ValueError(
+            "replay_routing=True needs batch.routed_experts: sample with SamplingParams(return_routed_experts=True)"
+        )
+    inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+    if replay_routing:
+        with routing_replay(model, batch.routed_experts):
+            logits = model(**inputs).logits
+    else:
+        logits = model(**inputs).logits
     logits = logits[:, p - 1 : p + r - 1].float()  # the logits that predicted each response token
     mask = batch.response_mask.bool()
     rows, cols = mask.nonzero(as_tuple=True)

@@ -50,10 +50,17 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        routing: tuple[int, int, torch.dtype] | None = None,
     ) -> None:
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self.k = zero_pages(shape, dtype, device)
         self.v = zero_pages(shape, dtype, device)
+        # Mixture-of-experts models: `routing` = (sparse layers, experts per token, dtype) gives
+        # `[sparse layers, num_pages, page_size, top_k]` expert ids, written with each token's KV,
+        # so a page carries the routing of the computation its keys and values came from.
+        self.routing = (
+            None if routing is None else zero_pages((routing[0], num_pages, page_size, routing[1]), routing[2], device)
+        )
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
@@ -66,7 +73,17 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes + (0 if self.routing is None else self.routing.nbytes)
+
+    def write_routing(self, layer: int, slots: torch.Tensor, experts: torch.Tensor) -> None:
+        """Store sparse layer `layer`'s experts `[T, top_k]` of the tokens at `slots` `[T]`."""
+        flat = self.routing[layer].view(-1, self.routing.shape[-1])
+        flat.index_copy_(0, slots, experts.to(self.routing.dtype))
+
+    def read_routing(self, slots: torch.Tensor) -> torch.Tensor:
+        """The experts stored at `slots` `[N]`, as `[N, sparse layers, top_k]`."""
+        flat = self.routing.view(self.routing.shape[0], -1, self.routing.shape[-1])
+        return flat.index_select(1, slots).transpose(0, 1)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store `k`, `v` of shape `[T, num_kv_heads, head_dim]` at `slots` `[T]`, cast to the pool's
@@ -87,3 +104,5 @@ class KVPool:
         """Copy whole pages `src[i] -> dst[i]` in every layer (copy-on-write)."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
+        if self.routing is not None:
+            self.routing[:, dst] = self.routing[:, src]

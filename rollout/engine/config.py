@@ -69,6 +69,10 @@ class EngineConfig:
         graphs = resolve_mode(decode_graphs, dev) if isinstance(decode_graphs, str) else None
         if graphs is None:
             raise TypeError(f"decode_graphs must be a str, one of {MODES}, got {type(decode_graphs).__name__}")
+        if mc.moe is not None and graphs == "cuda":  # the sparse blocks read their experts' token counts on the host
+            if decode_graphs == "cuda":
+                raise ValueError("decode_graphs='cuda' is not available for mixture-of-experts models; use 'off'")
+            graphs = "off"
         dt = _dtype(dtype)
         kv_dt = _narrower_dtype(kv_cache_dtype, dt, "kv_cache_dtype")
         matmul_dt = _narrower_dtype(matmul_dtype, dt, "matmul_dtype")

@@ -38,6 +38,7 @@ from .kv_manager import KVManager
 from .leases import LeaseSlot
 from .open_iterators import OpenIterators
 from .requests import PromptLimits, make_requests
+from .routing import RoutingReader, pool_routing
 from .scheduler import Scheduler
 from .sequence import Request
 from .session import EngineTurns, Session
@@ -143,6 +144,7 @@ class Engine(WeightsAPI, SleepAPI):
             head_dim=mc.head_dim,
             dtype=cfg.kv_cache_dtype,
             device=cfg.device,
+            routing=pool_routing(mc),  # the experts each token went to, for mixture-of-experts models
         )
         shape = WorkspaceShape(cfg.max_step_tokens, cfg.max_batch_size, -(-cfg.max_seq_len // cfg.page_size))
         self.workspace = InferenceWorkspace(shape, cfg.device)
@@ -157,7 +159,7 @@ class Engine(WeightsAPI, SleepAPI):
             kernels=self._kernels,
         )
         self.scheduler = Scheduler(
-            KVManager(PageAllocator(cfg.num_pages, cfg.page_size)),
+            KVManager(PageAllocator(cfg.num_pages, cfg.page_size), RoutingReader.of(self.kv_pool)),
             max_batch_size=cfg.max_batch_size,
             max_step_tokens=cfg.max_step_tokens,
             is_stop_text=StopStrings(self.codec).find if self.codec is not None else None,
@@ -282,9 +284,9 @@ class Engine(WeightsAPI, SleepAPI):
         if self._closed:
             raise ClosedError("engine is closed; make a new Engine")
 
-    def _session_turn(self, token_ids: list[int], params: SamplingParams, slot: LeaseSlot) -> Future:
+    def _session_turn(self, token_ids: list[int], params: SamplingParams, slot: LeaseSlot, pick=None) -> Future:
         """Start one session turn from `token_ids` on the background driver, its
-        KV kept in `slot` when it finishes; the future gives its `Sample`."""
+        KV kept in `slot` when it finishes; the future gives `pick(output)` (default: its `Sample`)."""
         self._check_open()
         if threading.current_thread() is self._background.thread:
             raise RuntimeError(
@@ -293,23 +295,15 @@ class Engine(WeightsAPI, SleepAPI):
             )
         (request,) = self._requests([token_ids], params)
         request.lease_slot = slot
-        (future,) = self._background.submit([request], pick=_only_sample)
+        (future,) = self._background.submit([request], pick=pick or _only_sample)
         slot.request = request  # what Session.abort ends (one racing this call is replayed by the Session)
         return future
 
     def _requests(self, prompts, params: SamplingParams) -> list[Request]:
         """Validated requests for `prompts` (see `make_requests`); raises before any exists."""
         self._check_awake()
-        return make_requests(
-            prompts,
-            params,
-            self.config,
-            self.model_config,
-            self.codec,
-            rng=self._rng,
-            request_ids=self._request_ids,
-            seq_ids=self._seq_ids,
-        )
+        counters = dict(rng=self._rng, request_ids=self._request_ids, seq_ids=self._seq_ids)
+        return make_requests(prompts, params, self.config, self.model_config, self.codec, **counters)
 
     def _release_lease(self, slot: LeaseSlot) -> None:
         with self._guard.ahead_of_steps():  # bookkeeping: it waits for one step at most

@@ -8,14 +8,21 @@ from __future__ import annotations
 from workspace import PageAllocator, page_hash
 
 from .leases import LeaseTable
+from .routing import RoutingReader
 from .sequence import Sequence
 
 
 class KVManager:
-    def __init__(self, allocator: PageAllocator) -> None:
+    def __init__(self, allocator: PageAllocator, routing: RoutingReader | None = None) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.leases = LeaseTable(allocator)  # sessions' KV between turns
+        self.routing = routing  # copies routed experts off pages before they go (mixture-of-experts models)
+
+    def save_routing(self, seq: Sequence) -> None:
+        """Copy `seq`'s routed experts to the host when its request asks (see `routing.py`)."""
+        if self.routing is not None:
+            self.routing.save(seq)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -54,6 +61,7 @@ class KVManager:
         child.cacheable = parent.cacheable
 
     def free(self, seq: Sequence) -> None:
+        self.save_routing(seq)
         for page in seq.block_table:
             self.allocator.decref(page)
         seq.block_table.clear()

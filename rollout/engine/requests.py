@@ -29,11 +29,12 @@ class PromptLimits:
     page_size: int
     num_pages: int
     max_request_tokens: int | None = None  # one call's `request_tokens` at most; None: no bound
+    num_moe_layers: int = 0  # sparse layers whose routing a request may ask for; 0: a dense model
 
     @classmethod
     def of(cls, cfg: EngineConfig, mc: ModelConfig) -> PromptLimits:
         sizes = (cfg.max_seq_len, cfg.max_batch_size, cfg.page_size, cfg.num_pages)
-        return cls(mc.vocab_size, *sizes, cfg.max_request_tokens)
+        return cls(mc.vocab_size, *sizes, cfg.max_request_tokens, mc.moe.num_moe_layers if mc.moe else 0)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -204,6 +205,10 @@ def _check_params(params: SamplingParams, limits: PromptLimits, codec: TextCodec
             raise ValueError(f"stop_token_ids has {t}, outside the vocabulary [0, {limits.vocab_size})")
     if params.stop and codec is None:
         raise ValueError("stop strings need a tokenizer, and the checkpoint has no tokenizer.json")
+    if params.return_routed_experts and not limits.num_moe_layers:
+        raise ValueError(
+            "return_routed_experts=True needs a mixture-of-experts model (qwen3_moe, mixtral); this one is dense"
+        )
 
 
 def pages_to_complete(num_prompt_tokens: int, params: SamplingParams, limits: PromptLimits) -> int:

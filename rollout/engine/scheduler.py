@@ -193,6 +193,7 @@ class Scheduler:
             seq.request.pending_forks.remove(seq)
         slot = seq.request.lease_slot
         if slot is not None and reason != "abort":
+            self.kv.save_routing(seq)
             self.kv.leases.keep(seq, slot)  # the session's next turn starts from it
         else:
             # An aborted turn never reaches its session's trajectory: its KV must not either.

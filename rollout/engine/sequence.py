@@ -13,6 +13,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..outputs import RolloutOutput, Sample
 from ..sampling_params import SamplingParams
 
@@ -46,6 +48,7 @@ class Sequence:
     stop_text_end: int | None = None  # text cut where a stop string began
     admitted_at: int = -1  # admission counter: larger = younger, preempted first
     num_restarts: int = 0  # times its outputs were dropped to start over (a `restart` commit)
+    routed: np.ndarray | None = None  # routed experts [positions, sparse layers, top_k] when the params ask
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,6 +99,8 @@ class Sequence:
         self.versions.clear()
         self.top_logprobs.clear()
         self.stop_text_end = None
+        if self.routed is not None:
+            self.routed = self.routed[: self.num_prompt_tokens]
 
 
 @dataclass(eq=False, slots=True)
@@ -142,6 +147,7 @@ class Request:
                 s.finish_reason,
                 s.stop_text_end,
                 tuple(s.top_logprobs) if self.params.top_logprobs else None,
+                s.routed if self.params.return_routed_experts else None,
             )
             for s in self.samples
         )
@@ -156,6 +162,7 @@ class SampleResult:
     finish_reason: str | None
     stop_text_end: int | None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None  # None: not asked for
+    routed: np.ndarray | None = None  # routed experts of its positions, prompt included; None: not asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,4 +184,21 @@ class RequestResult:
                     text = text[: s.stop_text_end]
             top = None if s.top_logprobs is None else list(s.top_logprobs)
             samples.append(Sample(list(s.token_ids), list(s.logprobs), list(s.versions), s.finish_reason, text, top))
-        return RolloutOutput(list(self.prompt_token_ids), samples, self.prompt, index)
+        out = RolloutOutput(list(self.prompt_token_ids), samples, self.prompt, index)
+        if any(s.routed is not None for s in self.samples):
+            split_routing(out, [s.routed for s in self.samples])
+        return out
+
+
+def split_routing(out: RolloutOutput, routed: list[np.ndarray | None]) -> None:
+    """Set `out`'s routed experts from each sample's routing of all its positions: the prompt's
+    (from a sample that computed all of it; None when none did) and each sample's own
+    `[len(token_ids) - 1, layers, top_k]`, the positions after the prompt that were computed."""
+    p = len(out.prompt_token_ids)
+    full = [r for r in routed if r is not None and len(r) >= p]
+    out.prompt_routed_experts = full[0][:p].copy() if full else None
+    shape = next(r.shape[1:] for r in routed if r is not None)
+    dtype = next(r.dtype for r in routed if r is not None)
+    for sample, r in zip(out.samples, routed, strict=True):
+        end = p + max(len(sample.token_ids) - 1, 0)
+        sample.routed_experts = r[p:end].copy() if r is not None else np.zeros((0, *shape), dtype)

@@ -22,9 +22,11 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from ..chat import is_chat
 from ..checks import array_shape, as_token_ids
-from ..outputs import Sample
+from ..outputs import RolloutOutput, Sample
 from ..sampling_params import SamplingParams
 from ..tokenizer import TextCodec
 from .leases import LeaseSlot
@@ -63,9 +65,14 @@ class EngineTurns:
         self.codec = engine.codec
         self.vocab_size = engine.model_config.vocab_size
         self.max_seq_len = engine.config.max_seq_len
+        self.prompt_routing: np.ndarray | None = None  # the last turn's prompt routing, when it asked
 
     def turn(self, token_ids: list[int], params: SamplingParams) -> Future:
-        return self._engine._session_turn(token_ids, params, self._slot)
+        return self._engine._session_turn(token_ids, params, self._slot, self._pick)
+
+    def _pick(self, output: RolloutOutput) -> Sample:
+        self.prompt_routing = output.prompt_routed_experts
+        return output.samples[0]
 
     def release(self) -> None:
         self._engine._release_lease(self._slot)
@@ -97,6 +104,7 @@ class Session:
         self._starting = False  # a turn is being handed to the backend (guarded by `_state`)
         self._abort_asked = False  # abort() came while it was: replayed once the backend holds it
         self.samples: list[Sample] = []  # every turn's sample, in order
+        self._routed: np.ndarray | None = None  # see `routed_experts`
         self._after_turn = False  # the trajectory ends with a sampled turn
 
     # -- the trajectory ------------------------------------------------------------------
@@ -119,6 +127,15 @@ class Session:
     def versions(self) -> list[int]:
         """The policy version that sampled the token, -1 elsewhere."""
         return list(self._versions)
+
+    @property
+    def routed_experts(self) -> np.ndarray | None:
+        """Mixture-of-experts models, after a turn with `return_routed_experts`: the experts every
+        position that went through a forward was routed to, `[positions, sparse layers, top_k]`,
+        the trajectory up to the last turn's final token (sampled, never computed), as that turn's
+        KV holds them (one routing per position, the one later tokens attended to). None when the
+        last turn did not ask, or on a backend that does not return it (a cluster)."""
+        return None if self._routed is None else self._routed.copy()
 
     @property
     def num_turns(self) -> int:
@@ -169,6 +186,9 @@ class Session:
         return future
 
     def _record(self, sample: Sample) -> Sample:
+        prompt = getattr(self._backend, "prompt_routing", None)
+        routed = sample.routed_experts
+        self._routed = None if prompt is None or routed is None else np.concatenate([prompt, routed])
         self._ids += sample.token_ids
         self._mask += [1] * len(sample.token_ids)
         self._logprobs += sample.logprobs

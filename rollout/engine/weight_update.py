@@ -157,7 +157,7 @@ class WeightUpdater:
         """
         by_param: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
         for slot, tensor in items:  # a tied duplicate maps onto the same rows: the first is kept
-            by_param.setdefault(slot.param_name, {}).setdefault((slot.start, slot.rows), tensor)
+            by_param.setdefault(slot.param_name, {}).setdefault((slot.start, slot.rows), slot.as_rows(tensor))
         staged = StagedUpdate([], {}, {}, frozenset(), 0)
         adopted = set()
         for pname, parts in by_param.items():

@@ -1,5 +1,6 @@
 """`ModelConfig`: the architecture read from a Hugging Face `config.json`,
-validated, for the Llama family (llama, qwen2, qwen3, mistral)."""
+validated, for the Llama family (llama, qwen2, qwen3, mistral) and its
+mixture-of-experts variants (qwen3_moe, mixtral; `moe_config.py`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import is_int, is_number
+from .moe_config import MOE_MODEL_TYPES, MoeConfig, moe_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # Upper bounds on a config's sizes, checked as it is parsed so that a corrupt
@@ -69,6 +71,7 @@ class ModelConfig:
     rope: RopeConfig
     sliding_windows: tuple[int | None, ...]  # per layer: window in tokens, None = full
     eos_token_ids: tuple[int, ...]
+    moe: MoeConfig | None = None  # experts (qwen3_moe, mixtral); None for a dense model
 
     @property
     def q_size(self) -> int:
@@ -116,10 +119,11 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
             o_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope=_rope(raw, max_pos),
             sliding_windows=_sliding_windows(raw, model_type, layers),
             eos_token_ids=_eos_ids(raw, generation_config or {}),
+            moe=moe_config(raw, model_type, layers),
         )
 
 
@@ -208,14 +212,14 @@ def _rope(raw: dict[str, Any], max_pos: int) -> RopeConfig:
 
 def _sliding_windows(raw: dict[str, Any], model_type: str, layers: int) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
         window = None
     if window is None:
         return (None,) * layers
     window = _size({"sliding_window": window}, "sliding_window")  # null (no window) was handled above
     types = raw.get("layer_types")
     if types is None:
-        if model_type == "mistral":
+        if model_type in ("mistral", "mixtral"):
             types = ["sliding_attention"] * layers
         else:
             first = int(raw.get("max_window_layers", 0))

@@ -1,4 +1,6 @@
-"""The Llama-family decoder (llama, qwen2, qwen3, mistral) on paged KV.
+"""The Llama-family decoder (llama, qwen2, qwen3, mistral) on paged KV, and
+its mixture-of-experts variants (qwen3_moe, mixtral), whose sparse layers
+(`moe.py`) take the place of the dense MLP.
 
 q/k/v and gate/up projections are fused into one matrix each; `weight_slots`
 (`weight_slots.py`) maps every checkpoint tensor name onto its rows of a
@@ -18,6 +20,7 @@ from workspace import KVPool
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from .linear import SKINNY_MAX_ROWS, PackedWeights, onednn_bf16, onednn_linear, pick_linear
+from .moe import SparseMLP, sparse_mlp
 from .rope import RotaryTable
 from .weight_slots import WeightSlot, weight_slots
 
@@ -36,7 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, sparse: bool = False) -> None:
         super().__init__()
         h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
         self.input_norm = _empty(h, dtype=dtype, device=device)
@@ -47,8 +50,10 @@ class DecoderLayer(nn.Module):
         self.o_proj = _empty(h, cfg.q_size, dtype=dtype, device=device)
         self.o_bias = _empty(h, dtype=dtype, device=device) if cfg.o_bias else None
         self.post_norm = _empty(h, dtype=dtype, device=device)
-        self.gate_up = _empty(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
-        self.down = _empty(h, cfg.intermediate_size, dtype=dtype, device=device)
+        # A sparse layer's router and experts (`moe.py`) replace the dense gate/up and down.
+        self.mlp = SparseMLP(cfg, dtype, device) if sparse else None
+        self.gate_up = None if sparse else _empty(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
+        self.down = None if sparse else _empty(h, cfg.intermediate_size, dtype=dtype, device=device)
 
 
 class Model(nn.Module):
@@ -88,26 +93,28 @@ class Model(nn.Module):
         if self._cpu is not None:
             self.gemm, self._linear = pick_linear(cfg.hidden_size)
         self.embed = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        sparse = cfg.moe.sparse_layers if cfg.moe is not None else (False,) * cfg.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, s) for s in sparse)
         self.norm = _empty(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = (
             None if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions, dtype, device)
         self.scale = cfg.head_dim**-0.5
-        # (name, parameter) of each layer's projections: qkv, o_proj, gate_up, down; and of the LM head.
-        # Commits rebind the parameters' data, never the parameters.
+        # (name, parameter) of each layer's projections: qkv, o_proj, then gate_up, down in a dense
+        # layer; and of the LM head. Commits rebind the parameters' data, never the parameters.
         kinds = ("qkv", "o_proj", "gate_up", "down")
         self._projections = [
-            tuple((f"layers.{i}.{kind}", getattr(layer, kind)) for kind in kinds) for i, layer in enumerate(self.layers)
+            tuple((f"layers.{i}.{k}", getattr(layer, k)) for k in kinds if getattr(layer, k) is not None)
+            for i, layer in enumerate(self.layers)
         ]
         self._head = ("embed", self.embed) if self.lm_head is None else ("lm_head", self.lm_head)
         # bfloat16 projections on oneDNN where it multiplies bfloat16 here, else on torch's F.linear
         self._narrow_onednn = self._narrow and self.gemm == "onednn" and onednn_bf16()
         self.packed = self._gemm_copies(pack=self.gemm == "onednn")
-        # Pure-decode steps run all layers in one op (`decode_layers`) when every
-        # kernel it calls applies; q/k norms (qwen3) keep the Python loop.
-        self._one_op = self._cpu is not None and self.gemm == "onednn" and not cfg.qk_norm
+        # Pure-decode steps run all layers in one op (`decode_layers`) when every kernel it calls applies.
+        # q/k norms (qwen3) and sparse layers keep the Python loop.
+        self._one_op = self._cpu is not None and self.gemm == "onednn" and not cfg.qk_norm and cfg.moe is None
         self._one_op &= self._narrow_onednn or not self._narrow
         self._biases = [b for layer in self.layers for b in (layer.qkv_bias, layer.o_bias)]
         self._norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
@@ -190,7 +197,7 @@ class Model(nn.Module):
         else:
             for i, layer in enumerate(self.layers):
                 h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, eps), positions, meta, kv)
-                h = h + self._mlp(i, layer, rms_norm(h, layer.post_norm, eps))
+                h = h + self._mlp(i, layer, rms_norm(h, layer.post_norm, eps), kv, meta.slot_mapping)
         h = self._norm(h.index_select(0, sample_rows), self.norm)
         return self._project(h, *self._head).float()
 
@@ -203,7 +210,7 @@ class Model(nn.Module):
         ops.rms_norm(h, self.layers[0].input_norm, eps, x)
         for i, layer in enumerate(self.layers):
             ops.add_rms_norm_(h, self._attention(i, layer, x, positions, meta, kv), layer.post_norm, eps, x)
-            mlp = self._mlp(i, layer, x)
+            mlp = self._mlp(i, layer, x, kv, meta.slot_mapping)
             if i + 1 < len(self.layers):
                 ops.add_rms_norm_(h, mlp, self.layers[i + 1].input_norm, eps, x)
             else:
@@ -235,7 +242,7 @@ class Model(nn.Module):
     def _attention(self, i, layer, x, positions, meta, kv) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        qkv_proj, o_proj, _, _ = self._projections[i]
+        qkv_proj, o_proj = self._projections[i][:2]
         qkv = self._project(x, *qkv_proj, layer.qkv_bias)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
@@ -258,7 +265,13 @@ class Model(nn.Module):
         o = paged_attention(q, i, kv, meta, self.scale, cfg.sliding_windows[i])
         return self._project(o.reshape(t, cfg.q_size), *o_proj, layer.o_bias)
 
-    def _mlp(self, i, layer, x) -> torch.Tensor:
+    def _mlp(self, i, layer, x, kv, slots) -> torch.Tensor:
+        if layer.mlp is not None:  # the experts chosen go to the pool with the tokens' KV
+            moe = self.cfg.moe
+            out, experts = sparse_mlp(x, layer.mlp, moe, self._ops.silu_mul if self._ops is not None else None)
+            if kv.routing is not None:
+                kv.write_routing(moe.moe_index[i], slots, experts)
+            return out
         _, _, gate_up_proj, down_proj = self._projections[i]
         gate_up = self._project(x, *gate_up_proj)
         if self._ops is not None:

@@ -78,10 +78,7 @@ def load_checkpoint(model: Model, path: str | Path) -> None:
     disagrees with the config, or a tensor the model needs that is missing.
     """
     slots = model.weight_slots()
-    required = set(slots)
-    if model.cfg.tie_word_embeddings:
-        required.discard("lm_head.weight")
-    seen: set[str] = set()
+    covered: dict[str, torch.Tensor] = {}  # parameter name -> which of its rows the checkpoint set
     for file in checkpoint_files(path):
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -100,11 +97,19 @@ def load_checkpoint(model: Model, path: str | Path) -> None:
                         f"{model.cfg.model_type} model with this config.json"
                     )
                 _copy_into(slot, name, f.get_tensor(name))
-                seen.add(name)
-    missing = sorted(required - seen)
+                rows = covered.setdefault(slot.param_name, torch.zeros(slot.param.shape[0], dtype=torch.bool))
+                rows[slot.start : slot.start + slot.rows] = True
+    # A tensor is there when its rows are, under any of the names that hold them
+    # (experts one by one or fused, a router under either family's name).
+    missing = [name for name, slot in slots.items() if not _covered(covered, slot)]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint {str(path)!r} is missing tensors: {shown}")
+
+
+def _covered(covered: dict[str, torch.Tensor], slot: WeightSlot) -> bool:
+    rows = covered.get(slot.param_name)
+    return rows is not None and bool(rows[slot.start : slot.start + slot.rows].all())
 
 
 def _copy_into(slot: WeightSlot, name: str, tensor: torch.Tensor) -> None:

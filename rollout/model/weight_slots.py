@@ -1,6 +1,9 @@
 """Where each checkpoint tensor lives in the model: q/k/v and gate/up are
 fused into one parameter each, so a checkpoint name maps onto rows of a
-parameter (`WeightSlot`). The loader and weight updates both use the map."""
+parameter (`WeightSlot`). The loader and weight updates both use the map.
+Experts are stacked along rows too (`moe.py`), so one expert is a row range
+and transformers' fused `[experts, ...]` tensors are the whole parameter
+seen with their own shape (`dims`)."""
 
 from __future__ import annotations
 
@@ -21,15 +24,21 @@ class WeightSlot:
     param: torch.Tensor  # the live parameter
     start: int  # first row along dim 0
     rows: int  # number of rows along dim 0
+    dims: tuple[int, ...] | None = None  # the checkpoint tensor's shape when not (rows, *param.shape[1:])
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.rows, *self.param.shape[1:])
+        return self.dims or (self.rows, *self.param.shape[1:])
 
     def view(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
-        """This slot's rows of `tensor` (default: the live parameter)."""
+        """This slot's rows of `tensor` (default: the live parameter), in the checkpoint's shape."""
         target = self.param if tensor is None else tensor
-        return target.narrow(0, self.start, self.rows)
+        rows = target.narrow(0, self.start, self.rows)
+        return rows if self.dims is None else rows.view(self.dims)
+
+    def as_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor of this slot laid out as the parameter's rows (a view when contiguous)."""
+        return tensor if self.dims is None else tensor.reshape(self.rows, *self.param.shape[1:])
 
 
 def weight_slots(model: Model) -> dict[str, WeightSlot]:
@@ -38,6 +47,8 @@ def weight_slots(model: Model) -> dict[str, WeightSlot]:
     With tied embeddings `lm_head.weight` maps onto the embedding too,
     so a full `state_dict()` of the reference model is accepted.
     """
+    from .moe import expert_slots  # moe.py builds slots itself
+
     cfg = model.cfg
     slots: dict[str, WeightSlot] = {}
 
@@ -55,7 +66,6 @@ def weight_slots(model: Model) -> dict[str, WeightSlot]:
         add(p + "input_layernorm.weight", lp + "input_norm", layer.input_norm)
         add(p + "post_attention_layernorm.weight", lp + "post_norm", layer.post_norm)
         add(p + "self_attn.o_proj.weight", lp + "o_proj", layer.o_proj)
-        add(p + "mlp.down_proj.weight", lp + "down", layer.down)
         if layer.o_bias is not None:
             add(p + "self_attn.o_proj.bias", lp + "o_bias", layer.o_bias)
         for proj, (start, rows) in qkv_rows.items():
@@ -65,6 +75,10 @@ def weight_slots(model: Model) -> dict[str, WeightSlot]:
         if layer.q_norm is not None:
             add(p + "self_attn.q_norm.weight", lp + "q_norm", layer.q_norm)
             add(p + "self_attn.k_norm.weight", lp + "k_norm", layer.k_norm)
+        if layer.mlp is not None:
+            slots.update(expert_slots(cfg, i, layer.mlp))
+            continue
+        add(p + "mlp.down_proj.weight", lp + "down", layer.down)
         add(p + "mlp.gate_proj.weight", lp + "gate_up", layer.gate_up, 0, inter)
         add(p + "mlp.up_proj.weight", lp + "gate_up", layer.gate_up, inter, inter)
     return slots
