@@ -19,7 +19,7 @@ from .cluster import (
     submit,
 )
 from .engine import INFLIGHT_MODES, ClosedError, Engine, PolicyVersionGuard, StepInfo, generation_pause
-from .outputs import RolloutOutput, Sample
+from .outputs import RolloutOutput, Sample, ScoredSequence
 from .sampling_params import LOGPROBS_MODES, SamplingParams
 
 __all__ = [
@@ -43,5 +43,6 @@ __all__ = [
     "RolloutOutput",
     "Sample",
     "SamplingParams",
+    "ScoredSequence",
     "StepInfo",
 ]

@@ -47,6 +47,9 @@ class SamplingParams:
     seed: int | None = None  # per-request seed: same tokens whatever else is batched
     logprobs_mode: str = "processed"  # "processed" | "raw" | "scaled" (see `LOGPROBS_MODES`)
     top_logprobs: int = 0  # per token, this many most likely alternatives and their logprobs; 0 = off
+    # The prompt tokens' logprobs under these settings' distribution (as vLLM's field): None = off,
+    # 0 = each prompt token's own, k > 0 = also the k most likely alternatives per position.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.n = check_int("n", self.n, 1)
@@ -65,6 +68,13 @@ class SamplingParams:
         self.top_logprobs = check_int("top_logprobs", self.top_logprobs, 0, f"and <= {MAX_TOP_LOGPROBS} (0 = off)")
         if self.top_logprobs > MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.prompt_logprobs is not None:
+            allowed = f"and <= {MAX_TOP_LOGPROBS}, or None (off)"
+            self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, 0, allowed)
+            if self.prompt_logprobs > MAX_TOP_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or None, got {self.prompt_logprobs}"
+                )
 
     def _check_distribution(self) -> None:
         """temperature, top_k, top_p and min_p, each in a range the step's buffers hold
