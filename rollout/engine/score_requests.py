@@ -4,7 +4,7 @@ validated before any request exists (see `scoring`)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ..chat import is_chat
 from ..checks import check_int, is_int
@@ -13,6 +13,7 @@ from ..sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from .requests import PromptLimits, _tokenize
 from .scoring import PromptScores
 from .sequence import Request, Sequence
+from .streams import Generation
 
 
 def score_token_lists(sequences, codec, vocab_size: int) -> tuple[list[list[int]], list[str | None]]:
@@ -83,6 +84,27 @@ def score_requests(sequences, top_logprobs: int, params, start, engine) -> list[
     return requests
 
 
+@dataclass(frozen=True, slots=True)
+class ScoreCall:
+    """A score call's settings as a cluster sends them to its actors with the
+    sequences' token ids (`score_iter`); `starts` is indexed by sequence index."""
+
+    top_logprobs: int
+    params: SamplingParams  # resolved by `check_score_args`
+    starts: tuple[int, ...]
+
+    n = 1  # what a dispatch balances: one row of work per sequence
+    max_tokens = 1
+
+
+def score_iter(engine, sequences, top_logprobs: int = 0, params=None, start=1) -> Generation:
+    """`run_score` as a `Generation`: `(index, ScoredSequence)` pairs as sequences
+    finish; `abort()` ends the unfinished ones (their logprobs None where not computed)."""
+    engine._check_open()
+    requests = score_requests(sequences, top_logprobs, params, start, engine)
+    return Generation(engine._drive(requests), lambda: engine._abort(requests))
+
+
 def run_score(engine, sequences, top_logprobs: int = 0, params=None, start=1) -> list[ScoredSequence]:
     """`Engine.score`: one `ScoredSequence` per sequence, in order. Sequences are all
     token-id lists, all strings (encoded as prompts are) or all chat conversations
@@ -93,5 +115,5 @@ def run_score(engine, sequences, top_logprobs: int = 0, params=None, start=1) ->
     position's own. Logprobs before `start` (an int >= 1, or one per sequence) are not
     wanted: they are None, and the pages before it may come from the prefix cache.
     Bad arguments raise `ValueError`/`TypeError` naming the field, before anything runs."""
-    outputs = dict(engine._drive(score_requests(sequences, top_logprobs, params, start, engine)))
+    outputs = dict(score_iter(engine, sequences, top_logprobs, params, start))
     return [outputs[i] for i in range(len(outputs))]
