@@ -14,6 +14,7 @@ from .cluster import (
     init,
     policy_version,
     push_weights,
+    score,
     session,
     shutdown,
     submit,
@@ -27,7 +28,7 @@ from .engine import (
     StepInfo,
     generation_pause,
 )
-from .outputs import RolloutOutput, Sample
+from .outputs import RolloutOutput, Sample, ScoredSequence
 from .sampling_params import LOGPROBS_MODES, SamplingParams
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "init",
     "policy_version",
     "push_weights",
+    "score",
     "session",
     "shutdown",
     "submit",
@@ -52,5 +54,6 @@ __all__ = [
     "RolloutOutput",
     "Sample",
     "SamplingParams",
+    "ScoredSequence",
     "StepInfo",
 ]

@@ -45,3 +45,25 @@ class RolloutOutput:
     # With params.return_routed_experts: the prompt's routed experts `[len(prompt), sparse layers, top_k]`
     # (None when no sample computed the whole prompt, e.g. aborted before it ran).
     prompt_routed_experts: np.ndarray | None = None
+    # With params.prompt_logprobs = k: per prompt position, the logprob of its token given the tokens
+    # before it, in the request's logprobs mode; the first entry is None (nothing precedes it).
+    prompt_logprobs: list[float | None] | None = None
+    # With k > 0: per prompt position, the k most likely tokens and the prompt's own token, token id ->
+    # logprob, in that distribution; the first entry None. None when not asked for.
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass(slots=True)
+class ScoredSequence:
+    """Teacher-forced logprobs of one given token sequence (`Engine.score`)."""
+
+    token_ids: list[int]
+    # Per position, the logprob of its token given the tokens before it (the scoring distribution's);
+    # None at position 0 and before the call's `start`.
+    logprobs: list[float | None]
+    # With top_logprobs = k > 0: per position, the k most likely tokens and the position's own token,
+    # token id -> logprob; None where `logprobs` is. None when not asked for.
+    top_logprobs: list[dict[int, float] | None] | None
+    version: int  # policy version whose weights computed every logprob
+    text: str | None = None  # the sequence's text, when it was given as text or chat messages
+    index: int | None = None  # position of the sequence in the call

@@ -50,6 +50,9 @@ class SamplingParams:
     # Mixture-of-experts models: the experts each position was routed to, per sparse layer
     # (`RolloutOutput.prompt_routed_experts`, `Sample.routed_experts`); a dense model refuses it.
     return_routed_experts: bool = False
+    # The prompt tokens' logprobs under these settings' distribution (as vLLM's field): None = off,
+    # 0 = each prompt token's own, k > 0 = also the k most likely alternatives per position.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.n = check_int("n", self.n, 1)
@@ -70,6 +73,13 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if not isinstance(self.return_routed_experts, bool):
             raise TypeError(f"return_routed_experts must be a bool, got {type(self.return_routed_experts).__name__}")
+        if self.prompt_logprobs is not None:
+            allowed = f"and <= {MAX_TOP_LOGPROBS}, or None (off)"
+            self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, 0, allowed)
+            if self.prompt_logprobs > MAX_TOP_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or None, got {self.prompt_logprobs}"
+                )
 
     def _check_distribution(self) -> None:
         """temperature, top_k, top_p and min_p, each in a range the step's buffers hold

@@ -77,6 +77,10 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str | None:
+        """The vocabulary entry of one token (special tokens included), or None outside it."""
+        return self._tok.id_to_token(token_id)
+
 
 def find_stop(text: str, stops: list[str], search_from: int = 0) -> int | None:
     """Index of the earliest stop string in `text` at or after `search_from`, or None."""

@@ -3,7 +3,7 @@ Ray, and only when a cluster is made. `RolloutCluster` is the driver side;
 `RolloutWorker` the plain-Python actor body around one `Engine`; the weight
 wire format packs pushes into a few large buckets (both sides)."""
 
-from .api import generate, health, init, policy_version, push_weights, session, shutdown, submit
+from .api import generate, health, init, policy_version, push_weights, score, session, shutdown, submit
 from .cluster import RolloutCluster
 from .handles import GenerationHandle, PushHandle
 
@@ -16,6 +16,7 @@ __all__ = [
     "init",
     "policy_version",
     "push_weights",
+    "score",
     "session",
     "shutdown",
     "submit",

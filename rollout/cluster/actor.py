@@ -18,6 +18,7 @@ import torch
 from ..checks import is_int
 from ..engine.engine import Engine
 from ..engine.requests import PromptLimits
+from ..engine.score_requests import ScoreCall, score_iter
 from ..engine.weight_lora import has_adapters
 from ..engine.weight_update import StagedUpdate, all_finite
 from ..model.weight_slots import WeightSlot
@@ -129,7 +130,11 @@ class RolloutWorker:
         even when it came before this call started (then every sample is
         yielded with reason "abort" and no tokens, and nothing is computed)."""
         self._raise_injected("generate_stream")
-        generation = self.engine.generate_iter(prompts, params)  # its requests join at the first `next`
+        if isinstance(params, ScoreCall):  # a cluster's `score`: the same dispatch, scored outputs
+            starts = [params.starts[i] for i in indices]
+            generation = score_iter(self.engine, prompts, params.top_logprobs, params.params, starts)
+        else:
+            generation = self.engine.generate_iter(prompts, params)  # its requests join at the first `next`
         self._aborts.register(call_id, generation.abort)
         try:
             for i, out in generation:

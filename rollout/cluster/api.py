@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..engine.session import Session
-from ..outputs import RolloutOutput
+from ..outputs import RolloutOutput, ScoredSequence
 from ..sampling_params import SamplingParams
 from .cluster import RolloutCluster
 from .handles import GenerationHandle, PushHandle
@@ -42,6 +42,13 @@ def _cluster() -> RolloutCluster:
 def generate(prompts, params: SamplingParams | None = None, timeout: float | None = None) -> list[RolloutOutput]:
     """`RolloutCluster.generate` on the default cluster."""
     return _cluster().generate(prompts, params, timeout)
+
+
+def score(
+    sequences, top_logprobs: int = 0, params: SamplingParams | None = None, start=1, timeout: float | None = None
+) -> list[ScoredSequence]:
+    """`RolloutCluster.score` on the default cluster."""
+    return _cluster().score(sequences, top_logprobs, params, start, timeout)
 
 
 def submit(prompts, params: SamplingParams | None = None) -> GenerationHandle:

@@ -23,7 +23,7 @@ from ..engine.streams import TokenStream
 from ..engine.weight_delta import PushCost
 from ..episodes import Episode, run_episodes, run_episodes_async
 from ..model.config import ModelConfig
-from ..outputs import RolloutOutput
+from ..outputs import RolloutOutput, ScoredSequence
 from ..sampling_params import SamplingParams
 from ..tokenizer import TextCodec
 from .actor_pool import ActorPool
@@ -135,6 +135,24 @@ class RolloutCluster:
         """Start generating and return at once; the handle gives `result()` and
         `as_completed()`. Prompts are validated here, before any is dispatched."""
         return self._dispatch.submit(prompts, params)
+
+    def score(
+        self,
+        sequences,
+        top_logprobs: int = 0,
+        params: SamplingParams | None = None,
+        start=1,
+        timeout: float | None = None,
+    ) -> list[ScoredSequence]:
+        """`Engine.score` over the actors: sequences balanced and, when an actor
+        dies, scored again elsewhere, as `generate` does with prompts; results
+        in order. Arguments are checked here first; an early end aborts the rest."""
+        handle = self._dispatch.submit_score(sequences, top_logprobs, params, start)
+        try:
+            return handle.result(timeout)
+        except BaseException:
+            handle.abort()
+            raise
 
     def session(self, prompt, tools: list[dict] | None = None) -> Session:
         """A multi-turn episode starting from `prompt` (token ids, a string, or

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from ..engine.requests import PromptLimits, validate_prompts
-from ..outputs import RolloutOutput, unstarted_sample
+from ..engine.score_requests import ScoreCall, check_score_args, score_token_lists
+from ..outputs import RolloutOutput, ScoredSequence, unstarted_sample
 from ..sampling_params import SamplingParams
 from ..tokenizer import TextCodec
 from .actor_slots import ActorGone, ActorSlot, unwrap
@@ -106,6 +107,18 @@ class GenerationDispatch:
         self._pool.check_open()
         params = SamplingParams() if params is None else params
         token_lists, texts = validate_prompts(prompts, params, self._limits, self._codec)
+        return self._start(token_lists, texts, params)
+
+    def submit_score(self, sequences, top_logprobs: int = 0, params=None, start=1) -> GenerationHandle:
+        """Start scoring (`Engine.score` on the actors, sequences balanced and
+        re-dispatched as prompts are); the handle's outputs are `ScoredSequence`s.
+        Arguments are validated here, before any sequence is dispatched."""
+        self._pool.check_open()
+        token_lists, texts = score_token_lists(sequences, self._codec, self._limits.vocab_size)
+        params, starts = check_score_args(token_lists, top_logprobs, params, start, self._limits)
+        return self._start(token_lists, texts, ScoreCall(params.prompt_logprobs, params, tuple(starts)))
+
+    def _start(self, token_lists: list[list[int]], texts: list, params) -> GenerationHandle:
         handle = GenerationHandle(texts)
         handle._on_abort(self._pool.wake)  # an abort ends any wait for a live actor
         if token_lists:
@@ -185,5 +198,11 @@ def _deliver_aborted(
 ) -> None:
     """Deliver the prompts `indices`, aborted before anything was sampled: every sample empty."""
     for i in indices:
+        if isinstance(params, ScoreCall):
+            none = [None] * len(prompts[i])
+            handle._deliver(
+                ScoredSequence(list(prompts[i]), none, list(none) if params.top_logprobs else None, -1, index=i)
+            )
+            continue
         empty = [unstarted_sample(params.top_logprobs, decodes) for _ in range(params.n)]
         handle._deliver(RolloutOutput(list(prompts[i]), empty, index=i))

@@ -57,7 +57,10 @@ class GenerationHandle:
         with self._cond:
             if self._results[out.index] is not None:
                 return False
-            out.prompt = self._texts[out.index]
+            if isinstance(out, RolloutOutput):
+                out.prompt = self._texts[out.index]
+            else:  # a ScoredSequence
+                out.text = self._texts[out.index]
             self._results[out.index] = out
             self._remaining -= 1
             self._where.pop(out.index, None)

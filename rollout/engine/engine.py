@@ -1,11 +1,9 @@
-"""`Engine`: one device's rollout engine. The glue between the scheduler, the
-stepper, the workspace and the policy version guard; no Ray here.
-
-A step (`_one_step`) is three calls under the guard: the scheduler plans
-(`schedule`), the stepper computes (`step`), the scheduler applies the result
-(`update`). The caller's finished requests are copied under the guard too,
-as another thread's step may be finishing them; their outputs are decoded,
-and the step's record logged, after the guard is released."""
+"""`Engine`: one device's rollout engine. The glue between the scheduler, the stepper, the
+workspace and the policy version guard; no Ray here. A step (`_one_step`) is three calls under
+the guard: the scheduler plans (`schedule`), the stepper computes (`step`), the scheduler
+applies the result (`update`). The caller's finished requests are copied under the guard too,
+as another thread's step may be finishing them; their outputs are decoded, and the step's
+record logged, after the guard is released."""
 
 from __future__ import annotations
 
@@ -27,7 +25,7 @@ from ..kernels.choice import load_kernels
 from ..model.config import ModelConfig
 from ..model.decoder import Model
 from ..model.loader import load_checkpoint
-from ..outputs import RolloutOutput, Sample
+from ..outputs import RolloutOutput, ScoredSequence
 from ..sampling_params import SamplingParams
 from ..tokenizer import TextCodec
 from .background import BackgroundDriver
@@ -40,6 +38,7 @@ from .open_iterators import OpenIterators
 from .requests import PromptLimits, make_requests
 from .routing import RoutingReader, pool_routing
 from .scheduler import Scheduler
+from .score_requests import run_score
 from .sequence import Request
 from .session import EngineTurns, Session
 from .sleep import SleepAPI
@@ -199,6 +198,11 @@ class Engine(WeightsAPI, SleepAPI):
         requests = self._requests(prompts, params)
         return Generation(self._drive(requests), lambda: self._abort(requests))
 
+    def score(self, sequences, top_logprobs: int = 0, params=None, start=1) -> list[ScoredSequence]:
+        """Teacher-forced logprobs of each token of given sequences, by prefill (see `run_score`)."""
+        self._check_open()
+        return run_score(self, sequences, top_logprobs, params, start)
+
     def stream(self, prompt, params: SamplingParams | None = None) -> TokenStream:
         """Start sampling `params.n` responses to one prompt (token ids, a string
         or chat messages) and return a `TokenStream` of their tokens as they are
@@ -295,7 +299,7 @@ class Engine(WeightsAPI, SleepAPI):
             )
         (request,) = self._requests([token_ids], params)
         request.lease_slot = slot
-        (future,) = self._background.submit([request], pick=pick or _only_sample)
+        (future,) = self._background.submit([request], pick=pick or (lambda out: out.samples[0]))
         slot.request = request  # what Session.abort ends (one racing this call is replayed by the Session)
         return future
 
@@ -388,7 +392,3 @@ class Engine(WeightsAPI, SleepAPI):
         if info is not None:
             self._step_log.record(info)
         return StepOutcome(info, finished, failed)
-
-
-def _only_sample(output: RolloutOutput) -> Sample:
-    return output.samples[0]

@@ -68,14 +68,15 @@ class KVManager:
         seq.page_keys.clear()
         seq.num_computed_tokens = 0
 
-    def match_prefix(self, seq: Sequence, version: int) -> int:
+    def match_prefix(self, seq: Sequence, version: int, limit: int | None = None) -> int:
         """Attach cached pages for the longest cached prefix of a sequence with
-        no KV; returns the tokens covered. The last token is never covered, so
-        at least one token is computed (and sampled from)."""
+        no KV, covering at most `limit` tokens (default: all but the last, so
+        at least one token is computed and sampled from); returns the tokens covered."""
         assert not seq.block_table
         parent = b""
         ps = self.page_size
-        while (len(seq.block_table) + 1) * ps <= seq.num_tokens - 1:
+        limit = seq.num_tokens - 1 if limit is None else limit
+        while (len(seq.block_table) + 1) * ps <= limit:
             i = len(seq.block_table)
             key = page_hash(parent, version, seq.token_ids[i * ps : (i + 1) * ps])
             page = self.allocator.lookup(key)

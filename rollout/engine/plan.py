@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .scoring import SpanScores
 
 
 @dataclass(slots=True)
@@ -47,6 +51,7 @@ class StepResult:
     logprobs: list[float]
     version: int  # policy version whose weights produced the tokens
     top: TopLogprobs | None = None  # None: no row asked for top logprobs
+    scores: list[SpanScores] | None = None  # prompt logprobs the step's chunks computed (see `scoring`)
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from ..model.config import ModelConfig
 from ..sampling_params import MAX_SEED, SamplingParams
 from ..tokenizer import TextCodec
 from .config import EngineConfig
+from .scoring import PromptScores
 from .sequence import Request, Sequence
 
 
@@ -118,6 +119,8 @@ def make_requests(
             prompt=text,
         )
         request.samples = [make_seq(next(seq_ids), request, k, list(ids)) for k in range(params.n)]
+        if params.prompt_logprobs is not None:
+            request.prompt_scores = PromptScores.new(len(ids), 1, params.prompt_logprobs)
         requests.append(request)
     return requests
 

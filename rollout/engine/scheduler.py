@@ -98,7 +98,7 @@ class Scheduler:
                 break
             slot = request.lease_slot
             adopted = slot is not None and self.kv.leases.adopt(seq, slot) > 0
-            hit = seq.num_computed_tokens if adopted else (self.kv.match_prefix(seq, version) if seq.cacheable else 0)
+            hit = seq.num_computed_tokens if adopted else (self._match_prefix(seq, version) if seq.cacheable else 0)
             n = min(seq.num_uncomputed_tokens, budget)
             need = self.kv.pages_for(seq.num_computed_tokens + n) - len(seq.block_table) + forks
             while need > self.kv.allocator.num_free and self.kv.leases.release_oldest():
@@ -121,10 +121,15 @@ class Scheduler:
             plan.chunks.append(self._chunk(seq, n, version))
             budget -= n
 
+    def _match_prefix(self, seq: Sequence, version: int) -> int:
+        scores = seq.request.prompt_scores  # positions whose logits it needs are computed, never cached
+        limit = seq.num_tokens - 1 if scores is None else scores.cache_limit(seq.num_tokens)
+        return self.kv.match_prefix(seq, version, limit)
+
     def _chunk(self, seq: Sequence, n: int, version: int) -> ScheduledChunk:
         self.kv.register(seq, version, seq.num_computed_tokens + n)
         samplers: list[Sequence] = []
-        if n == seq.num_uncomputed_tokens:
+        if n == seq.num_uncomputed_tokens and not seq.request.score_only:
             samplers.append(seq)
             if seq.request.leader is seq:
                 samplers.extend(seq.request.pending_forks)
@@ -137,6 +142,9 @@ class Scheduler:
 
     # -- update --------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> None:
+        for scores in result.scores or ():
+            scores.seq.request.prompt_scores.record(scores, result.version)
+        finished = []
         for chunk in plan.chunks:
             seq, end = chunk.seq, chunk.start + chunk.length
             seq.num_computed_tokens = end
@@ -147,7 +155,11 @@ class Scheduler:
             for s in chunk.samplers:
                 if s is not seq:
                     self._fork(seq, s)
-        finished = []
+            request = seq.request
+            if request.prompt_scores is not None and end >= seq.num_prompt_tokens and not request.prompt_scores.done:
+                request.prompt_scores.finish(result.version)
+                if request.score_only:
+                    finished.append((seq, "stop"))
         top = result.top or [None] * len(result.tokens)
         for s, token, logprob, alternatives in zip(plan.samplers, result.tokens, result.logprobs, top, strict=True):
             s.append(token, logprob, result.version, alternatives)
@@ -224,8 +236,10 @@ class Scheduler:
         self.kv.clear_prefix_cache()
         self.kv.leases.on_weights_committed(inflight)
         if inflight == "keep":
-            for s in self.running:
+            for s in reversed(list(self.running)):
                 s.cacheable = False
+                if s.request.prompt_scores is not None and not s.request.prompt_scores.done:
+                    self._requeue(s)  # its prompt logprobs are all computed under one version
         elif inflight == "recompute":
             for s in reversed(list(self.running)):
                 self._requeue(s)
@@ -251,6 +265,8 @@ class Scheduler:
             self.kv.free(s)
             s.cacheable = True
             s.reset_outputs()
+        if request.prompt_scores is not None:
+            request.prompt_scores.reset()
         request.group(members)
         request.leader.status = SeqStatus.WAITING
         self.waiting.appendleft(request.leader)

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..outputs import RolloutOutput, Sample
+from ..outputs import RolloutOutput, Sample, ScoredSequence
 from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .leases import LeaseSlot
+    from .scoring import PromptScores
 
 
 class SeqStatus(enum.Enum):
@@ -119,6 +120,8 @@ class Request:
     leader: Sequence | None = None  # computes the shared prompt for pending_forks
     started: bool = False  # some sample was admitted (the request is in flight)
     lease_slot: LeaseSlot | None = None  # a session's turn: its KV is kept there when it finishes
+    score_only: bool = False  # `Engine.score`: the prompt's logprobs are the result; nothing is sampled
+    prompt_scores: PromptScores | None = None  # the prompt's logprobs when the params ask (see `scoring`)
     longest_stop: int = field(init=False)  # characters in the params' longest stop string (0: none)
 
     def __post_init__(self) -> None:
@@ -151,7 +154,8 @@ class Request:
             )
             for s in self.samples
         )
-        return RequestResult(tuple(self.prompt_token_ids), self.prompt, samples)
+        scores = None if self.prompt_scores is None else self.prompt_scores.snapshot()
+        return RequestResult(tuple(self.prompt_token_ids), self.prompt, samples, scores, self.score_only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +177,15 @@ class RequestResult:
     prompt_token_ids: tuple[int, ...]
     prompt: str | None
     samples: tuple[SampleResult, ...]
+    prompt_scores: PromptScores | None = None  # a copy of the request's, when it asked for them
+    score_only: bool = False  # the result is a `ScoredSequence`
 
-    def to_output(self, decode, index: int | None = None) -> RolloutOutput:
+    def to_output(self, decode, index: int | None = None) -> RolloutOutput | ScoredSequence:
+        scores = self.prompt_scores
+        if self.score_only:
+            ids, top = list(self.prompt_token_ids), scores.top_logprobs
+            top = None if top is None else list(top)
+            return ScoredSequence(ids, list(scores.logprobs), top, scores.version, self.prompt, index)
         samples = []
         for s in self.samples:
             text = None
@@ -187,6 +198,9 @@ class RequestResult:
         out = RolloutOutput(list(self.prompt_token_ids), samples, self.prompt, index)
         if any(s.routed is not None for s in self.samples):
             split_routing(out, [s.routed for s in self.samples])
+        if scores is not None:
+            out.prompt_logprobs = list(scores.logprobs)
+            out.prompt_top_logprobs = None if scores.top_logprobs is None else list(scores.top_logprobs)
         return out
 
 

@@ -24,7 +24,15 @@ from ..model.decoder import Model
 from .decode_graphs import DecodeGraphs, GraphKey
 from .plan import ScheduledChunk, StepPlan, StepResult, TopLogprobs
 from .sampler import MODE_CODES, SAMPLING_FIELDS, SamplerFlags, SamplingBatch, sample, top_logprobs
+from .scoring import ScoreSpan, SpanScores, compute_scores, score_spans
 from .sequence import Sequence
+
+
+class RowExtras(NamedTuple):
+    """What a forward returns besides the sampled tokens (which land in the workspace)."""
+
+    top: TopLogprobs | None  # per sampler row; None: no row asked
+    scores: list[SpanScores] | None  # per score span; None: the step had none
 
 
 class SampledRows(NamedTuple):
@@ -45,6 +53,7 @@ class PreparedStep:
     signature: TaskSignature | None  # a pure decode's signature; None for a step with prefill chunks
     graph: GraphKey | None  # the decode graph that serves the step; None: the eager forward
     top: list[int] | None  # per row, how many top logprobs it asks for; None: no row asks
+    spans: list[ScoreSpan]  # rows whose logits score prompt tokens (see `scoring`); [] for most steps
 
 
 class Stepper:
@@ -91,8 +100,8 @@ class Stepper:
     def step(self, plan: StepPlan) -> StepResult:
         """One step of `plan`: a token and its logprob per sampler row, in plan order."""
         prepared = self._prepare(plan)
-        top = self._run(plan, prepared)
-        return self._finish(plan, prepared, top)
+        top, scores = self._run(plan, prepared)
+        return self._finish(plan, prepared, top, scores)
 
     def _prepare(self, plan: StepPlan) -> PreparedStep:
         """Copy-on-write page copies, then the step's inputs into the workspace
@@ -101,7 +110,7 @@ class Stepper:
         self._copy_pages(plan.page_copies)
         samplers = plan.samplers
         num_rows = len(samplers)
-        signature = None
+        signature, spans = None, []
         if _is_pure_decode(plan.chunks):
             signature = TaskSignature(plan.version, tuple(s.seq_id for s in samplers))
             if not self.cache.prepare(signature, lambda: self._decode_rows(plan.chunks)):
@@ -110,11 +119,12 @@ class Stepper:
         else:
             num_logits = self._upload_general(plan.chunks)
             self._read_batch(samplers)
+            spans = score_spans(plan.chunks)
         meta = self._attention_metadata(plan.chunks)
         graph = None
         if self.graphs is not None and signature is not None and self._top is None:  # a graph keeps no logits
             graph = self.graphs.key(num_rows, meta.decode_block_tables.shape[1], self._flags)
-        return PreparedStep(meta, num_rows, num_logits, self._flags, signature, graph, self._top)
+        return PreparedStep(meta, num_rows, num_logits, self._flags, signature, graph, self._top, spans)
 
     def _read_batch(self, samplers: list[Sequence]) -> None:
         """The host-known facts of the batch whose inputs the workspace now holds:
@@ -125,25 +135,27 @@ class Stepper:
         top = [p.top_logprobs for p in params]
         self._top = top if any(top) else None
 
-    def _run(self, plan: StepPlan, prepared: PreparedStep) -> TopLogprobs | None:
+    def _run(self, plan: StepPlan, prepared: PreparedStep) -> RowExtras:
         """The model and sampler: tokens and logprobs land in the workspace's out buffers;
-        the top logprobs of the rows that ask for them are returned."""
+        the top logprobs of the rows that ask for them, and prompt logprobs, are returned."""
         if prepared.graph is not None:
             self.graphs.run(prepared.num_rows, prepared.graph)
             self._sampled = self._graph_sampled.get(prepared.graph)
-            return None
+            return RowExtras(None, None)
         if self.graphs is not None:
             self.graphs.invalidate()  # this step's uploads may have overwritten the padding rows
         p = prepared
-        return self._forward(plan.num_tokens, p.meta, p.num_logits, p.num_rows, p.flags, p.top)
+        return self._forward(plan.num_tokens, p.meta, p.num_logits, p.num_rows, p.flags, p.top, p.spans)
 
-    def _finish(self, plan: StepPlan, prepared: PreparedStep, top: TopLogprobs | None) -> StepResult:
+    def _finish(
+        self, plan: StepPlan, prepared: PreparedStep, top: TopLogprobs | None, scores: list[SpanScores] | None
+    ) -> StepResult:
         """Read the sampled rows back; a pure decode's signature lets the next step reuse its inputs."""
         n = prepared.num_rows
         if self.device_sample is not None and prepared.flags.any_filter:
             self._resample_uncovered(n)
         result = StepResult(
-            self.ws.view("out_tokens", n).tolist(), self.ws.view("out_logprobs", n).tolist(), plan.version, top
+            self.ws.view("out_tokens", n).tolist(), self.ws.view("out_logprobs", n).tolist(), plan.version, top, scores
         )
         if prepared.signature is not None:
             self.cache.remember(prepared.signature)
@@ -171,12 +183,20 @@ class Stepper:
         num_rows: int,
         flags: SamplerFlags,
         top: list[int] | None = None,
-    ) -> TopLogprobs | None:
+        spans: list[ScoreSpan] | None = None,
+    ) -> RowExtras:
         """Model and sampler over the workspace's first rows; tokens and logprobs land in its
-        out buffers. With `top` (per row, how many), the rows that ask get their top logprobs."""
+        out buffers. With `top` (per row, how many), the rows that ask get their top logprobs;
+        with `spans`, their rows' logits score the prompt tokens that follow them."""
         ws = self.ws
         ids, positions = ws.view("input_ids", num_tokens), ws.view("positions", num_tokens)
-        logits = self.model(ids, positions, meta, self.kv, ws.view("logit_rows", num_logits))
+        scores = None
+        if spans:
+            hidden = self.model.hidden(ids, positions, meta, self.kv)
+            logits = self.model.logits(hidden.index_select(0, ws.view("logit_rows", num_logits)))
+            scores = compute_scores(self.model.logits, hidden, spans)
+        else:
+            logits = self.model(ids, positions, meta, self.kv, ws.view("logit_rows", num_logits))
         if num_logits != num_rows:
             logits = logits.index_select(0, ws.view("sample_rows", num_rows))
         batch = self._sampling_batch(num_rows, flags)
@@ -187,14 +207,14 @@ class Stepper:
         else:
             sample(logits, batch, tokens, logprobs, self.sample_kernel)
         if top is None:
-            return None
+            return RowExtras(None, scores)
         rows = [r for r, k in enumerate(top) if k]
         index = torch.tensor(rows, device=logits.device)
         ids, values = top_logprobs(logits.index_select(0, index), batch.rows(index), max(top))
         out: TopLogprobs = [None] * num_rows
         for r, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
             out[r] = tuple(zip(row_ids[: top[r]], row_values[: top[r]], strict=True))
-        return out
+        return RowExtras(out, scores)
 
     def _padded_decode(self, key: GraphKey) -> None:
         """One decode step over the first `key.rows` workspace rows, as captured in a graph."""

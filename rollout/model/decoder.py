@@ -188,6 +188,11 @@ class Model(nn.Module):
 
         `input_ids`, `positions`: `[T]`, the step's flattened tokens.
         """
+        return self.logits(self.hidden(input_ids, positions, meta, kv).index_select(0, sample_rows))
+
+    @torch.inference_mode()
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVPool):
+        """The last layer's hidden states `[T, hidden]` of the step's tokens, before the final norm."""
         h = F.embedding(input_ids, self.embed)
         eps = self.cfg.rms_norm_eps
         if self.packed is not None:
@@ -198,8 +203,12 @@ class Model(nn.Module):
             for i, layer in enumerate(self.layers):
                 h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, eps), positions, meta, kv)
                 h = h + self._mlp(i, layer, rms_norm(h, layer.post_norm, eps), kv, meta.slot_mapping)
-        h = self._norm(h.index_select(0, sample_rows), self.norm)
-        return self._project(h, *self._head).float()
+        return h
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits `[R, vocab]` of hidden states `h` `[R, hidden]` (from `hidden`)."""
+        return self._project(self._norm(h, self.norm), *self._head).float()
 
     def _fused_layers(self, h, positions, meta, kv) -> torch.Tensor:
         """The layers with each residual add folded into the next RMSNorm; `h` is updated in place."""

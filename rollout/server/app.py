@@ -6,6 +6,7 @@ loopback Host check (`security.py`).
     POST /v1/completions         text or token-id prompts; streaming or not
     POST /v1/chat/completions    chat messages, rendered by the checkpoint's own template
     GET  /metrics                Prometheus text
+    /tokenize, /detokenize, /tokenizer_info (vLLM's shapes; `tokenizer_routes.py`)
 
 Each prompt is one `TokenStream` on the backend, so concurrent requests
 share the engine's steps, which its own thread runs. The event loop never
@@ -30,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from .backend import Backend
 from .config import ServerConfig
+from .echo import drop_samples
 from .errors import APIError, from_validation, install_handlers
 from .events import events
 from .generation import ClientGone, InFlight, Ticket, cancel, outputs, start, wait_for_disconnect
@@ -37,6 +39,7 @@ from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import Reply, usage
 from .schemas import ChatRequest, CompletionRequest
 from .security import LoopbackHosts, check_bind, check_json, is_loopback
+from .tokenizer_routes import install_tokenizer_routes
 from .translate import Job, chat_job, completion_job, request_work
 
 
@@ -83,6 +86,7 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
         auth.check(request)
         return await answers.admit(request, ChatRequest, chat_job)
 
+    install_tokenizer_routes(app, backend, config, auth.check, parse)  # /tokenize, /detokenize, /tokenizer_info
     return app
 
 
@@ -118,6 +122,7 @@ class Answers:
             raise APIError(499, "the client closed the request", code="client_closed_request") from None
         finally:
             self._end(streams, ticket)
+        done = drop_samples(job.echo, done)
         counts = usage(done)
         metrics.prompt_tokens += counts["prompt_tokens"]
         metrics.completion_tokens += counts["completion_tokens"]

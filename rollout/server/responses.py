@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ..outputs import RolloutOutput
 from ..tokenizer import TextCodec
+from .echo import MIN_LOGPROB, echo_body, echo_choice
 from .translate import Job
 
 
@@ -51,9 +52,13 @@ class Reply:
                 c["finish_reason"] = s.finish_reason
                 if self.job.return_token_ids and not self.chat:
                     c["prompt_token_ids"] = out.prompt_token_ids
+                if self.job.echo is not None and not self.chat:
+                    echo_choice(self, c, p, out, s)
                 choices.append(c)
         body = self._head("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage(outputs)
+        if self.chat:
+            echo_body(self, body, outputs)
         if self.job.return_token_ids and self.chat:
             body["prompt_token_ids"] = outputs[0].prompt_token_ids
         return body
@@ -147,10 +152,6 @@ class Reply:
 
     def _strings(self, alternatives: Sequence[tuple[int, float]]) -> list[str]:
         return token_strings(self.codec, [t for t, _ in alternatives])
-
-
-# JSON has no infinities: a token the filters dropped scores this, as vLLM reports it.
-MIN_LOGPROB = -9999.0
 
 
 def _finite(logprob: float) -> float:

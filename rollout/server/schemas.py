@@ -6,7 +6,7 @@ them (`extra="forbid"`), since silently ignoring one would change what the
 client gets; the few ignored ones (`user`, `metadata`, `store`,
 `service_tier`, `parallel_tool_calls`) change nothing a client could see
 from a single model. OpenAI fields whose only supported value is their
-default (penalties, `logit_bias`, `echo`, ...) are accepted at that value
+default (penalties, `logit_bias`, chat's `echo`, ...) are accepted at that value
 and refused otherwise (`unsupported`). Responses are plain dicts built in
 `responses.py`: a chunk is serialised per token, and a dict is the cheapest."""
 
@@ -46,6 +46,7 @@ class CommonRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False  # prompt and completion token ids in the response
     logprobs_mode: str | None = None  # the engine's: "processed" (default), "raw" or "scaled"
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs and this many alternatives (vLLM's)
     # OpenAI fields accepted only at their no-op values.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -62,6 +63,11 @@ class CommonRequest(BaseModel):
             return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream=true"
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            k = self.prompt_logprobs
+            return "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {k}"
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt_logprobs is not supported with stream=true"
         return None
 
 
@@ -75,8 +81,10 @@ class CompletionRequest(CommonRequest):
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.echo and self.stream:
+            return "echo", "echo is not supported with stream=true"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens=0 needs echo=true (the prompt and its logprobs, nothing generated)"
         if self.best_of not in (None, self.n):
             return "best_of", "best_of is not supported (only equal to n)"
         if self.suffix:
@@ -125,6 +133,7 @@ class ChatRequest(CommonRequest):
     tools: list[dict[str, Any]] | None = None  # passed to the chat template
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    echo: bool = False  # refused: prompt logprobs come from /v1/completions (echo) or prompt_logprobs
     # Ignored: nothing a client sees depends on them here.
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -132,6 +141,8 @@ class ChatRequest(CommonRequest):
     service_tier: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported on chat completions: use /v1/completions or prompt_logprobs"
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             return "top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {self.top_logprobs}"
         if self.top_logprobs is not None and not self.logprobs:

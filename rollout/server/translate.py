@@ -12,6 +12,7 @@ from ..engine.requests import check_request_tokens
 from ..sampling_params import SamplingParams
 from .backend import Backend
 from .config import ServerConfig
+from .echo import Echo
 from .errors import APIError, from_engine
 from .schemas import ChatRequest, CommonRequest, CompletionRequest
 
@@ -32,14 +33,19 @@ class Job:
     prompt_field: str  # "prompt" or "messages": where prompt errors point
     tools: list | None = None  # chat: JSON schemas the template renders with the messages
     work: int = 0  # prompts x n x (prompt tokens + max_tokens), once tokenized: what it holds in flight
+    echo: Echo | None = None  # completions' echo and vLLM's prompt_logprobs (`echo.py`); None: neither
 
 
 def completion_job(req: CompletionRequest, config: ServerConfig, backend: Backend) -> Job:
     _check_common(req, config)
     prompts = _prompt_list(req.prompt, config.max_prompts)
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params = _sampling_params(req, min(max_tokens, config.max_tokens), "prompt", req.logprobs or 0)
-    return _job(req, False, prompts, params, req.logprobs is not None, "prompt")
+    echo = Echo.of(req, prompts)
+    # max_tokens=0 (echo only): one token is sampled from the prompt's last row, as any prefill does, and dropped.
+    params = _sampling_params(req, max(1, min(max_tokens, config.max_tokens)), "prompt", req.logprobs or 0)
+    if echo is not None:
+        params = replace(params, prompt_logprobs=echo.prompt_logprobs)
+    return replace(_job(req, False, prompts, params, req.logprobs is not None, "prompt"), echo=echo)
 
 
 def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
@@ -55,8 +61,11 @@ def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = req.top_logprobs or 0
     params = _sampling_params(req, config.max_tokens if asked is None else asked, "messages", top)
+    echo = Echo.of(req, [messages])
+    if echo is not None:
+        params = replace(params, prompt_logprobs=echo.prompt_logprobs)
     job = _job(req, True, [messages], params, req.logprobs, "messages")
-    return replace(job, tools=req.tools)  # the backend renders them with the messages (off the event loop)
+    return replace(job, tools=req.tools, echo=echo)  # the backend renders them with the messages (off the event loop)
 
 
 def _job(req: CommonRequest, chat: bool, prompts: list, params: SamplingParams, logprobs: bool, field: str) -> Job:

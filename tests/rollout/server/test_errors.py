@@ -31,7 +31,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "logprobs_mode": "logits"}, 400, "logprobs_mode"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),

@@ -1,0 +1,221 @@
+"""`Engine.score` and `SamplingParams.prompt_logprobs`: teacher-forced logprobs
+by prefill, against transformers' log-softmax over the same checkpoint's logits
+(float32), in chunks, batched with decodes, through the prefix cache and across
+weight pushes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rollout import SamplingParams
+from tests.conftest import make_engine
+from tests.reference import processed_logprobs
+
+SEQS = [list(range(3, 45)), [7, 9, 11] + list(range(20, 37)), [5, 6]]
+TOL = 1e-5
+
+
+def _reference(hf, ids, temperature=1.0):
+    """float32 log-softmax `[len(ids), V]` of transformers' logits: row i scores token i + 1."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits / temperature, -1)
+
+
+def _check(scored, ref, ids, k, start=1):
+    assert scored.token_ids == ids and len(scored.logprobs) == len(ids)
+    assert scored.logprobs[:start] == [None] * start
+    for i in range(start, len(ids)):
+        assert abs(scored.logprobs[i] - ref[i - 1, ids[i]].item()) < TOL, f"position {i}"
+        if not k:
+            continue
+        top = scored.top_logprobs[i]
+        values, best = ref[i - 1].topk(k)
+        assert set(top) == set(best.tolist()) | {ids[i]}, f"position {i}"
+        for token, value in top.items():
+            assert abs(value - ref[i - 1, token].item()) < TOL
+    if not k:
+        assert scored.top_logprobs is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_score_equals_transformers_log_softmax_in_chunks(checkpoints, family):
+    ckpt = checkpoints[family]
+    engine = make_engine(ckpt.path, max_batch_size=4, max_step_tokens=16)  # chunks of 16: several per sequence
+    k = 3 if family != "llama" else 0
+    for scored, ids in zip(engine.score(SEQS, top_logprobs=k), SEQS, strict=True):
+        _check(scored, _reference(ckpt.hf, ids), ids, k)
+        assert scored.version == 0
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "torch"])
+def test_score_batched_with_a_running_decode(qwen2, kernels):
+    """The background driver steps a stream once, then waits in its step callback:
+    every step of the score (on this thread) also decodes the stream's sample."""
+    release, steps = threading.Event(), []
+
+    def hold_background(info):
+        steps.append(info)
+        if threading.current_thread().name == "rollout-background-steps":
+            assert release.wait(timeout=60)
+
+    engine = make_engine(
+        qwen2.path, kernels=kernels, max_batch_size=4, max_step_tokens=16, step_callback=hold_background
+    )
+    params = SamplingParams(max_tokens=20, ignore_eos=True, seed=1)
+    stream = engine.stream([1, 2, 3], params)
+    next(iter(stream))  # its first token: it is running
+    scored = engine.score(SEQS, top_logprobs=2)
+    release.set()
+    for s, ids in zip(scored, SEQS, strict=True):
+        _check(s, _reference(qwen2.hf, ids), ids, 2)
+    assert all(info.num_sampled == 1 and info.num_tokens > 1 for info in steps[1:4])  # score chunks + its decode
+    sample = [item for item in stream][-1].samples[0]
+    alone = engine.generate([[1, 2, 3]], params)[0].samples[0]
+    assert sample.token_ids == alone.token_ids  # scoring beside it changed nothing it sampled
+
+
+def test_prompt_logprobs_in_generation(qwen2):
+    engine = make_engine(qwen2.path, max_batch_size=4, max_step_tokens=32)
+    prompt = SEQS[0]
+    params = SamplingParams(n=3, max_tokens=6, ignore_eos=True, seed=5, prompt_logprobs=4)
+    out = engine.generate([prompt], params)[0]
+    ref = _reference(qwen2.hf, prompt)
+    assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[i] - ref[i - 1, prompt[i]].item()) < TOL
+        top = out.prompt_top_logprobs[i]
+        assert set(top) == set(ref[i - 1].topk(4).indices.tolist()) | {prompt[i]}
+    plain = engine.generate([prompt], SamplingParams(n=3, max_tokens=6, ignore_eos=True, seed=5))[0]
+    assert [s.token_ids for s in out.samples] == [s.token_ids for s in plain.samples]
+    assert plain.prompt_logprobs is None and plain.prompt_top_logprobs is None
+    zero = engine.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert zero.prompt_logprobs == pytest.approx(out.prompt_logprobs, abs=TOL) and zero.prompt_top_logprobs is None
+
+
+def test_scaled_and_processed_modes_follow_the_sampling_distribution(qwen2):
+    engine = make_engine(qwen2.path)
+    ids = SEQS[0]
+    scaled = engine.score([ids], params=SamplingParams(temperature=0.7, logprobs_mode="scaled"))[0]
+    ref = _reference(qwen2.hf, ids, temperature=0.7)
+    assert all(abs(scaled.logprobs[i] - ref[i - 1, ids[i]].item()) < TOL for i in range(1, len(ids)))
+    params = SamplingParams(temperature=0.7, top_k=6)
+    processed = engine.score([ids], top_logprobs=3, params=params)[0]
+    with torch.no_grad():
+        logits = qwen2.hf(torch.tensor([ids])).logits[0]
+    for i in range(1, len(ids)):
+        expected = processed_logprobs(logits[i - 1], 0.7, 6, 1.0, 0.0)
+        if torch.isfinite(expected[ids[i]]):  # a token the filters drop is scored as kept (`logprobs_of`)
+            assert abs(processed.logprobs[i] - expected[ids[i]].item()) < 1e-4
+        for token, value in processed.top_logprobs[i].items():
+            if token != ids[i]:
+                assert abs(value - expected[token].item()) < 1e-4
+
+
+def test_prefix_cache_serves_the_unwanted_prefix_and_gives_cold_numbers(qwen2):
+    prompt = list(range(3, 40))  # two full pages of 16, then the part scored
+    answers = [prompt + [50, 51, 52, 53, 54], prompt + [60, 61, 62]]
+    engine = make_engine(qwen2.path)
+    cold = make_engine(qwen2.path).score(answers, top_logprobs=2, start=len(prompt))
+    engine.generate([prompt], SamplingParams(max_tokens=1))  # fills the cache with the prompt's pages
+    hits = engine.stats()["prefix_hit_tokens"]
+    warm = engine.score(answers, top_logprobs=2, start=len(prompt))
+    assert engine.stats()["prefix_hit_tokens"] - hits == 2 * 32  # both pages, for both sequences
+    for w, c, ids in zip(warm, cold, answers, strict=True):
+        assert w.logprobs[: len(prompt)] == [None] * len(prompt)
+        assert w.logprobs[len(prompt) :] == pytest.approx(c.logprobs[len(prompt) :], abs=TOL)
+        _check(w, _reference(qwen2.hf, ids), ids, 2, start=len(prompt))
+    # Logits needed from position 0 on: nothing comes from the cache, and the score fills it.
+    hits = engine.stats()["prefix_hit_tokens"]
+    _check(engine.score([answers[0]])[0], _reference(qwen2.hf, answers[0]), answers[0], 0)
+    assert engine.stats()["prefix_hit_tokens"] == hits
+    fresh = make_engine(qwen2.path)
+    fresh.score([answers[0]])
+    fresh.generate([prompt + [70]], SamplingParams(max_tokens=1))
+    assert fresh.stats()["prefix_hit_tokens"] == 32
+
+
+def _perturbed(hf, scale=0.05):
+    """New weights for the qwen2 checkpoint (its head tied to the embedding: not a name of its own)."""
+    g = torch.Generator().manual_seed(7)
+    state = {name: p.detach() + scale * torch.randn(p.shape, generator=g) for name, p in hf.state_dict().items()}
+    del state["lm_head.weight"]
+    return state
+
+
+def _load(hf, state):
+    model = type(hf)(hf.config).eval()
+    model.load_state_dict({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
+    return model
+
+
+def test_a_weight_push_between_two_scores(qwen2):
+    engine = make_engine(qwen2.path)
+    before = engine.score(SEQS, top_logprobs=2)
+    state = _perturbed(qwen2.hf)
+    engine.update_weights(state)
+    after = engine.score(SEQS, top_logprobs=2)
+    new = _load(qwen2.hf, state)
+    for b, a, ids in zip(before, after, SEQS, strict=True):
+        assert (b.version, a.version) == (0, 1)
+        _check(b, _reference(qwen2.hf, ids), ids, 2)
+        _check(a, _reference(new, ids), ids, 2)
+
+
+@pytest.mark.parametrize("inflight", ["keep", "recompute"])
+def test_a_commit_mid_score_leaves_every_logprob_of_one_version(qwen2, inflight):
+    state = _perturbed(qwen2.hf)
+    pushed = []
+
+    def push_once(info):
+        if not pushed:
+            pushed.append(engine.update_weights(state, inflight=inflight))
+
+    engine = make_engine(qwen2.path, max_batch_size=4, max_step_tokens=8, step_callback=push_once)
+    (scored,) = engine.score([SEQS[0]], top_logprobs=1)
+    assert pushed == [1] and scored.version == 1
+    _check(scored, _reference(_load(qwen2.hf, state), SEQS[0]), SEQS[0], 1)
+
+
+def test_bad_score_arguments_name_the_field(qwen2):
+    engine = make_engine(qwen2.path, max_seq_len=64)
+    cases = [
+        (dict(sequences=[[1, 2]], top_logprobs=21), ValueError, "top_logprobs"),
+        (dict(sequences=[[1, 2]], top_logprobs=-1), ValueError, "top_logprobs"),
+        (dict(sequences=[[1, 2]], start=0), ValueError, "start"),
+        (dict(sequences=[[1, 2]], start=3), ValueError, "start"),
+        (dict(sequences=[[1, 2], [3]], start=[1]), TypeError, "start"),
+        (dict(sequences=[list(range(65))]), ValueError, "max_seq_len"),
+        (dict(sequences=[[]]), ValueError, "sequences"),
+        (dict(sequences=[[1, 10**6]]), ValueError, "sequences"),
+        (dict(sequences=[[1, 2]], params="raw"), TypeError, "params"),
+        (dict(sequences=["text"]), ValueError, "tokenizer"),
+    ]
+    for kwargs, error, field in cases:
+        with pytest.raises(error, match=field):
+            engine.score(**kwargs)
+    assert engine.stats()["computed_tokens"] == 0
+    for bad, error in ((-1, ValueError), (21, ValueError), (1.5, TypeError)):
+        with pytest.raises(error, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
+
+
+def test_text_and_chat_sequences(text_checkpoint):
+    engine = make_engine(text_checkpoint.path)
+    codec = engine.tokenizer
+    (scored,) = engine.score(["hello there"])
+    ids = codec.encode("hello there")
+    assert scored.text == "hello there"
+    _check(scored, _reference(text_checkpoint.hf, ids), ids, 0)
+
+
+def test_score_through_the_triton_kernels(qwen2):
+    """The Triton path (under the interpreter here): its prefill kernels, the head and
+    the log-softmax in torch ops."""
+    engine = make_engine(qwen2.path, kernels="triton", max_batch_size=4, max_step_tokens=16, max_seq_len=64)
+    assert engine.config.kernels == "triton"
+    (scored,) = engine.score([SEQS[1]], top_logprobs=2)
+    _check(scored, _reference(qwen2.hf, SEQS[1]), SEQS[1], 2)
