@@ -23,15 +23,18 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rollout import RolloutCluster, SamplingParams
 from rollout.cluster.ray_runtime import actor_process
 from rollout.cluster.watchdog import ActorWatch, HangBounds
+from rollout.server import ClusterBackend, ServerConfig, start_server
 from tests.conftest import make_engine
 from tests.factories import _randomize
 from tests.rollout.cluster.test_cluster import PARAMS, PROMPTS, assert_per_version, wait_until
 from tests.rollout.engine.test_sessions import assert_matches_reference, params
+from tests.rollout.server.conftest import parse_prometheus
 
 BOUNDS = dict(ping_interval_s=0.25, liveness_timeout_s=3.0)
 KW = dict(
@@ -137,6 +140,27 @@ def assert_replaced(cluster, index: int, old_pid: int, fault: str) -> None:
     assert (entry["hangs"], entry["stalls"]) == ((1, 0) if fault == "hung" else (0, 1))
     other = _actor(cluster, 1 - index)
     assert (other["replacements"], other["hangs"], other["stalls"]) == (0, 0, 0)
+    assert_metrics_match_health(cluster)
+
+
+def assert_metrics_match_health(cluster) -> None:
+    """A server over `cluster` exports each position's faults in `/metrics` as `health()` counts them."""
+    server = start_server(ClusterBackend(cluster), ServerConfig("tiny", max_n=4, max_tokens=64), port=0)
+    try:
+        metrics = parse_prometheus(httpx.get(server.url + "/metrics", timeout=60).text)
+    finally:
+        server.stop()
+    exported = {k: v for k, v in metrics.items() if k.startswith("rollout_actor_")}
+    expected = {}
+    for entry in cluster.health():
+        actor = f'actor="{entry["index"]}"'
+        expected |= {
+            f"rollout_actor_replacements_total{{{actor}}}": entry["replacements"],
+            f'rollout_actor_faults_total{{{actor},fault="hung"}}': entry["hangs"],
+            f'rollout_actor_faults_total{{{actor},fault="stalled"}}': entry["stalls"],
+            f"rollout_actor_failed_starts_total{{{actor}}}": entry["failed_starts"],
+        }
+    assert exported == expected and any(expected.values())
 
 
 def assert_every_prompt_once(outs, prompts, params: SamplingParams) -> None:
@@ -383,6 +407,7 @@ def test_a_replacement_that_hangs_while_loading_is_killed_and_started_again(make
     assert entry["state"] == "alive" and entry["pid"] not in (pid, replacement)
     assert entry["replacements"] == 1 and entry["hangs"] == 1 and entry["replaced_because"].startswith("hung: ")
     assert entry["failed_starts"] == 1
+    assert_metrics_match_health(cluster)
     assert entry["failed_start_because"] == (
         "replacement failed to start (try 1 of 3): it did not load and describe itself within 15 s; it was killed"
     )
