@@ -27,8 +27,10 @@ import httpx
 import pytest
 
 from rollout import RolloutCluster, SamplingParams
+from rollout.cluster.actor_slots import ActorGone
 from rollout.cluster.ray_runtime import actor_process
 from rollout.cluster.watchdog import ActorWatch, HangBounds
+from rollout.engine.streams import SampleDelta
 from rollout.server import ClusterBackend, ServerConfig, start_server
 from tests.conftest import make_engine
 from tests.factories import _randomize
@@ -240,6 +242,27 @@ def test_an_actor_that_stalls_mid_generate_is_replaced(make_cluster, policies, h
     assert_every_prompt_once(outs, PROMPTS, LONG)
     assert_per_version(outs, policies)
     assert_replaced(cluster, 0, pid, "stalled")
+
+
+def test_a_token_stream_whose_actor_hangs_ends_with_actor_gone(make_cluster, qwen2, hold):
+    """Tokens a stream delivered cannot be taken back, so it is not rerun: once
+    the watchdog kills its hung actor it ends with `ActorGone`, and the next
+    stream runs on a live actor."""
+    cluster = make_cluster()
+    pid = cluster._slots[0].pid
+    (hold / str(pid)).touch()  # actor 0 pauses after each step
+    params = SamplingParams(max_tokens=40, ignore_eos=True, seed=3)
+    stream = iter(cluster.stream(PROMPTS[0], params))  # to actor 0: both idle, the lower index first
+    assert isinstance(next(stream), SampleDelta)  # a token was delivered
+    assert _actor(cluster, 0)["running"] == 1 and _actor(cluster, 1)["running"] == 0
+    with stopped(pid), pytest.raises(ActorGone, match="died while streaming"):
+        for _ in stream:
+            pass
+    assert_replaced(cluster, 0, pid, "hung")
+    again = cluster.stream(PROMPTS[0], params)
+    tokens = [t for item in again if isinstance(item, SampleDelta) for t in item.token_ids]
+    (reference,) = make_engine(qwen2.path, max_seq_len=256).generate([PROMPTS[0]], params)
+    assert tokens == again.output.samples[0].token_ids == reference.samples[0].token_ids
 
 
 def test_a_session_turn_on_an_actor_that_hangs_runs_again_elsewhere(make_cluster, qwen2, hold):
