@@ -142,7 +142,6 @@ def assert_replaced(cluster, index: int, old_pid: int, fault: str) -> None:
     assert (entry["hangs"], entry["stalls"]) == ((1, 0) if fault == "hung" else (0, 1))
     other = _actor(cluster, 1 - index)
     assert (other["replacements"], other["hangs"], other["stalls"]) == (0, 0, 0)
-    assert_metrics_match_health(cluster)
 
 
 def assert_metrics_match_health(cluster) -> None:
@@ -242,6 +241,7 @@ def test_an_actor_that_stalls_mid_generate_is_replaced(make_cluster, policies, h
     assert_every_prompt_once(outs, PROMPTS, LONG)
     assert_per_version(outs, policies)
     assert_replaced(cluster, 0, pid, "stalled")
+    assert_metrics_match_health(cluster)  # a stall here, a hang and a failed start in the loading drill
 
 
 def test_a_token_stream_whose_actor_hangs_ends_with_actor_gone(make_cluster, qwen2, hold):
