@@ -19,7 +19,7 @@ from workspace import KVPool
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
-from .linear import SKINNY_MAX_ROWS, PackedWeights, onednn_bf16, onednn_linear, pick_linear
+from .linear import SKINNY_MAX_ROWS, PackedWeights, gemm_plan, onednn_bf16, onednn_linear, pick_linear
 from .moe import SparseMLP, sparse_mlp
 from .rope import RotaryTable
 from .weight_slots import WeightSlot, weight_slots
@@ -238,6 +238,7 @@ class Model(nn.Module):
             *(h, x, weights, self._biases, self._norms, cfg.rms_norm_eps, positions, rotary.cos, rotary.sin),
             *(kv.k, kv.v, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens),
             *(self._windows, self.scale, cfg.num_heads, skinny, self._narrow),
+            [n for piece in gemm_plan(h.shape[0]) for n in piece],
         )
         return h
 

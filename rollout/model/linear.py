@@ -20,9 +20,48 @@ from torch import nn
 SKINNY_MAX_ROWS = 2
 
 
+# oneDNN builds and caches a primitive (JIT code and buffers: 0.6 MB at a
+# few rows, 2 MB at 2000 on the CPU) for every shape it multiplies, keeping up
+# to 1024 of them, and the rows of a step's GEMMs are its token count, which
+# changes from step to step: an actor under mixed load grew by a GB of
+# primitives (docs/benchmarks.md, the soak). So a GEMM runs as row chunks of
+# GEMM_CHUNK and a tail padded to `gemm_rows`: each projection has at most
+# 54 shapes, built once.
+GEMM_CHUNK = 512
+
+
+def gemm_rows(rows: int) -> int:
+    """The rows a oneDNN GEMM of `rows` rows (at most `GEMM_CHUNK`) runs at:
+    `rows` below 16, else `rows` rounded up to one of eight sizes per
+    doubling (at most 1/8 more rows)."""
+    if rows < 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def gemm_plan(rows: int) -> list[tuple[int, int]]:
+    """The oneDNN calls of a GEMM of `rows` rows, in row order: (rows, padded
+    rows) of each, `GEMM_CHUNK` rows at a time and the rest padded."""
+    plan = [(GEMM_CHUNK, GEMM_CHUNK)] * (rows // GEMM_CHUNK)
+    if rows % GEMM_CHUNK or not plan:
+        plan.append((rows % GEMM_CHUNK, gemm_rows(rows % GEMM_CHUNK)))
+    return plan
+
+
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` through oneDNN's matmul (the op torch's own compiler emits for CPU linears)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """`F.linear` of `x` `[rows, in_features]` through oneDNN's matmul (the op
+    torch's own compiler emits for CPU linears), in the calls of
+    `gemm_plan(rows)`: padding rows are zeros, and their outputs are dropped."""
+    outs, start = [], 0
+    for rows, padded in gemm_plan(x.shape[0]):
+        part = x[start : start + rows]
+        start += rows
+        if padded != rows:
+            part = torch.cat([part, part.new_zeros(padded - rows, part.shape[1])])
+        out = torch.ops.mkldnn._linear_pointwise(part, weight, bias, "none", [], "")
+        outs.append(out if padded == rows else out[:rows])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def pick_linear(in_features: int) -> tuple[str, Callable]:

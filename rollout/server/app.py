@@ -72,8 +72,8 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
     @app.get("/metrics")
     async def metrics_text(request: Request) -> PlainTextResponse:
         auth.check(request)
-        counters = await asyncio.to_thread(backend.counters)
-        text = metrics.render(backend.policy_version(), counters, inflight)
+        counters, faults = await asyncio.to_thread(backend.counters)
+        text = metrics.render(backend.policy_version(), counters, inflight, faults)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")

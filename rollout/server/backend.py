@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 # Counters `counters()` reports, each summed over actors on a cluster.
 COUNTERS = ("kv_pages_used", "kv_pages_total", "computed_tokens", "prefix_hit_tokens")
+# Per actor position of a cluster, the faults `counters()` reports (as `RolloutCluster.health()` counts them).
+FAULTS = ("replacements", "hangs", "stalls", "failed_starts")
 
 
 class Backend(Protocol):
@@ -42,8 +44,9 @@ class Backend(Protocol):
 
     def policy_version(self) -> int: ...
 
-    def counters(self) -> dict[str, int]:
-        """`COUNTERS` that the backend reports (may block: run it in a thread)."""
+    def counters(self) -> tuple[dict[str, int], list[dict[str, int]]]:
+        """`COUNTERS` that the backend reports, and per actor position (by
+        index) its `FAULTS`: none in process (may block: run it in a thread)."""
         ...
 
     def close(self) -> None: ...
@@ -82,9 +85,9 @@ class EngineBackend:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> tuple[dict[str, int], list[dict[str, int]]]:
         stats = self.engine.stats()
-        return {k: int(stats[k]) for k in COUNTERS}
+        return {k: int(stats[k]) for k in COUNTERS}, []
 
     def close(self) -> None:
         self.engine.close()
@@ -111,12 +114,13 @@ class ClusterBackend:
     def policy_version(self) -> int:
         return self.cluster.policy_version()
 
-    def counters(self) -> dict[str, int]:
-        totals = dict.fromkeys(COUNTERS, 0)
-        for actor in self.cluster.health():
+    def counters(self) -> tuple[dict[str, int], list[dict[str, int]]]:
+        totals, faults = dict.fromkeys(COUNTERS, 0), []
+        for actor in self.cluster.health():  # one round trip: each actor's own counters and its position's faults
             for k in COUNTERS:
                 totals[k] += int(actor.get(k, 0))
-        return totals
+            faults.append({"index": actor["index"], **{k: int(actor.get(k, 0)) for k in FAULTS}})
+        return totals, faults
 
     def close(self) -> None:
         if self.owned:

@@ -26,7 +26,11 @@ class Metrics:
         self.prompt_tokens = 0  # prompt tokens of finished requests
         self.completion_tokens = 0  # tokens sent to clients
 
-    def render(self, policy_version: int, backend: dict[str, int], inflight: InFlight) -> str:
+    def render(
+        self, policy_version: int, backend: dict[str, int], inflight: InFlight, faults: list[dict[str, int]] = ()
+    ) -> str:
+        """The exposition text; `faults`: per actor position of a cluster, its
+        `backend.FAULTS` (none in process: their families are left out)."""
         lines: list[str] = []
         _family(lines, "rollout_requests_total", "counter", "HTTP responses by endpoint and status.")
         for (endpoint, status), count in sorted(self.requests.items()):
@@ -55,7 +59,28 @@ class Metrics:
         for name, kind, help_text, value in scalars:
             _family(lines, name, kind, help_text)
             lines.append(f"{name} {value}")
+        _actor_faults(lines, faults)
         return "\n".join(lines) + "\n"
+
+
+# The watchdog's and the respawn path's outcomes per actor position, as `health()` counts them.
+ACTOR_FAULTS = (
+    ("rollout_actor_replacements_total", "Actors replaced at this position, for any reason.", "replacements", ""),
+    ("rollout_actor_faults_total", "Actors the watchdog found hung or stalled (then replaced).", "hangs", "hung"),
+    ("rollout_actor_faults_total", None, "stalls", "stalled"),
+    ("rollout_actor_failed_starts_total", "Replacements killed unstarted (failed to load).", "failed_starts", ""),
+)
+
+
+def _actor_faults(lines: list[str], faults: list[dict[str, int]]) -> None:
+    if not faults:
+        return
+    for name, help_text, key, fault in ACTOR_FAULTS:
+        if help_text is not None:
+            _family(lines, name, "counter", help_text)
+        for actor in sorted(faults, key=lambda a: a["index"]):
+            labels = f'actor="{actor["index"]}"' + (f',fault="{fault}"' if fault else "")
+            lines.append(f"{name}{{{labels}}} {actor[key]}")
 
 
 def _family(lines: list[str], name: str, kind: str, help_text: str) -> None:

@@ -23,19 +23,43 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <vector>
 
 #include "kernels.h"
 
 namespace {
 
-// oneDNN's matmul, as torch's own compiler emits it for CPU linears.
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// oneDNN's matmul, as torch's own compiler emits it for CPU linears, in the
+// calls `plan` lists as (rows, padded rows) pairs, in row order: padding rows
+// are zeros and their outputs are dropped. rollout/model/linear.py's
+// gemm_plan makes the plan, which bounds the shapes oneDNN builds and caches
+// a primitive for; its onednn_linear runs the same calls.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         at::IntArrayRef plan) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
                             c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
-  return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  const auto call = [&](const at::Tensor& input) {
+    return op.call(input, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  };
+  std::vector<at::Tensor> outs;
+  int64_t start = 0;
+  for (size_t i = 0; i + 1 < plan.size(); i += 2) {
+    const int64_t rows = plan[i], padded = plan[i + 1];
+    const at::Tensor part = x.narrow(0, start, rows);
+    start += rows;
+    if (padded == rows) {
+      outs.push_back(call(part));
+      continue;
+    }
+    at::Tensor input = at::empty({padded, x.size(1)}, x.options());
+    input.narrow(0, 0, rows).copy_(part);
+    input.narrow(0, rows, padded - rows).zero_();
+    outs.push_back(call(input).narrow(0, 0, rows));
+  }
+  return outs.size() == 1 ? outs[0] : at::cat(outs);
 }
 
 void decode_layers(at::Tensor h, at::Tensor x, at::TensorList weights,
@@ -43,7 +67,7 @@ void decode_layers(at::Tensor h, at::Tensor x, at::TensorList weights,
                    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                    at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
                    const at::Tensor& context_lens, at::IntArrayRef windows, double scale, int64_t num_heads,
-                   bool skinny, bool bf16) {
+                   bool skinny, bool bf16, at::IntArrayRef gemm_plan) {
   const int64_t layers = static_cast<int64_t>(windows.size());
   TORCH_CHECK(layers >= 1, "decode_layers needs at least one layer");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == 2 * layers &&
@@ -54,20 +78,28 @@ void decode_layers(at::Tensor h, at::Tensor x, at::TensorList weights,
               ", pages, page_size, kv_heads, head_dim], got ", k_cache.sizes());
   TORCH_CHECK(h.dim() == 2 && x.sizes() == h.sizes(), "h and x must be [rows, hidden] alike, got ", h.sizes(), " and ",
               x.sizes());
+  int64_t planned = 0;
+  bool plan_ok = gemm_plan.size() % 2 == 0 && !gemm_plan.empty();
+  for (size_t i = 0; plan_ok && i < gemm_plan.size(); i += 2) {
+    plan_ok = gemm_plan[i] >= 0 && gemm_plan[i + 1] >= gemm_plan[i];
+    planned += gemm_plan[i];
+  }
+  TORCH_CHECK(plan_ok && planned == h.size(0), "gemm_plan must be (rows, padded rows) pairs covering the ", h.size(0),
+              " rows, got ", gemm_plan);
   const int64_t rows = h.size(0), kv_heads = k_cache.size(3), head_dim = k_cache.size(4);
   const int64_t q_size = num_heads * head_dim, kv_size = kv_heads * head_dim;
   TORCH_CHECK(weights[0].size(0) == q_size + 2 * kv_size, "the qkv weight has ", weights[0].size(0), " rows, not ",
               q_size + 2 * kv_size, " (", num_heads, " query and ", kv_heads, " KV heads of ", head_dim, ")");
 
-  const auto linear = [skinny, bf16](const at::Tensor& input, const at::Tensor& weight,
-                                     const std::optional<at::Tensor>& bias) {
+  const auto linear = [skinny, bf16, gemm_plan](const at::Tensor& input, const at::Tensor& weight,
+                                                const std::optional<at::Tensor>& bias) {
     if (skinny && bf16) return rollout_cpu::skinny_linear_bf16(input, weight, bias);
     if (bf16) {
       const std::optional<at::Tensor> narrow_bias =
           bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kBFloat16)) : std::nullopt;
-      return onednn_linear(input.to(at::kBFloat16), weight, narrow_bias).to(at::kFloat);
+      return onednn_linear(input.to(at::kBFloat16), weight, narrow_bias, gemm_plan).to(at::kFloat);
     }
-    return skinny ? rollout_cpu::skinny_linear(input, weight, bias) : onednn_linear(input, weight, bias);
+    return skinny ? rollout_cpu::skinny_linear(input, weight, bias) : onednn_linear(input, weight, bias, gemm_plan);
   };
   rollout_cpu::rms_norm(h, norms[0], eps, x);
   for (int64_t i = 0; i < layers; ++i) {
@@ -100,7 +132,7 @@ TORCH_LIBRARY_FRAGMENT(rollout, m) {
       "decode_layers(Tensor(a!) h, Tensor(b!) x, Tensor[] weights, Tensor?[] biases, Tensor[] norms, float eps, "
       "Tensor positions, Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots, "
       "Tensor block_tables, Tensor context_lens, int[] windows, float scale, int num_heads, bool skinny, "
-      "bool bf16) -> ()");
+      "bool bf16, int[] gemm_plan) -> ()");
 }
 
 // Packed weights are oneDNN tensors, which dispatch on MkldnnCPU rather than CPU.

@@ -23,15 +23,20 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rollout import RolloutCluster, SamplingParams
+from rollout.cluster.actor_slots import ActorGone
 from rollout.cluster.ray_runtime import actor_process
 from rollout.cluster.watchdog import ActorWatch, HangBounds
+from rollout.engine.streams import SampleDelta
+from rollout.server import ClusterBackend, ServerConfig, start_server
 from tests.conftest import make_engine
 from tests.factories import _randomize
 from tests.rollout.cluster.test_cluster import PARAMS, PROMPTS, assert_per_version, wait_until
 from tests.rollout.engine.test_sessions import assert_matches_reference, params
+from tests.rollout.server.conftest import parse_prometheus
 
 BOUNDS = dict(ping_interval_s=0.25, liveness_timeout_s=3.0)
 KW = dict(
@@ -139,6 +144,26 @@ def assert_replaced(cluster, index: int, old_pid: int, fault: str) -> None:
     assert (other["replacements"], other["hangs"], other["stalls"]) == (0, 0, 0)
 
 
+def assert_metrics_match_health(cluster) -> None:
+    """A server over `cluster` exports each position's faults in `/metrics` as `health()` counts them."""
+    server = start_server(ClusterBackend(cluster), ServerConfig("tiny", max_n=4, max_tokens=64), port=0)
+    try:
+        metrics = parse_prometheus(httpx.get(server.url + "/metrics", timeout=60).text)
+    finally:
+        server.stop()
+    exported = {k: v for k, v in metrics.items() if k.startswith("rollout_actor_")}
+    expected = {}
+    for entry in cluster.health():
+        actor = f'actor="{entry["index"]}"'
+        expected |= {
+            f"rollout_actor_replacements_total{{{actor}}}": entry["replacements"],
+            f'rollout_actor_faults_total{{{actor},fault="hung"}}': entry["hangs"],
+            f'rollout_actor_faults_total{{{actor},fault="stalled"}}': entry["stalls"],
+            f"rollout_actor_failed_starts_total{{{actor}}}": entry["failed_starts"],
+        }
+    assert exported == expected and any(expected.values())
+
+
 def assert_every_prompt_once(outs, prompts, params: SamplingParams) -> None:
     assert [o.index for o in outs] == list(range(len(prompts)))
     assert [o.prompt_token_ids for o in outs] == prompts
@@ -216,6 +241,28 @@ def test_an_actor_that_stalls_mid_generate_is_replaced(make_cluster, policies, h
     assert_every_prompt_once(outs, PROMPTS, LONG)
     assert_per_version(outs, policies)
     assert_replaced(cluster, 0, pid, "stalled")
+    assert_metrics_match_health(cluster)  # a stall here, a hang and a failed start in the loading drill
+
+
+def test_a_token_stream_whose_actor_hangs_ends_with_actor_gone(make_cluster, qwen2, hold):
+    """Tokens a stream delivered cannot be taken back, so it is not rerun: once
+    the watchdog kills its hung actor it ends with `ActorGone`, and the next
+    stream runs on a live actor."""
+    cluster = make_cluster()
+    pid = cluster._slots[0].pid
+    (hold / str(pid)).touch()  # actor 0 pauses after each step
+    params = SamplingParams(max_tokens=40, ignore_eos=True, seed=3)
+    stream = iter(cluster.stream(PROMPTS[0], params))  # to actor 0: both idle, the lower index first
+    assert isinstance(next(stream), SampleDelta)  # a token was delivered
+    assert _actor(cluster, 0)["running"] == 1 and _actor(cluster, 1)["running"] == 0
+    with stopped(pid), pytest.raises(ActorGone, match="died while streaming"):
+        for _ in stream:
+            pass
+    assert_replaced(cluster, 0, pid, "hung")
+    again = cluster.stream(PROMPTS[0], params)
+    tokens = [t for item in again if isinstance(item, SampleDelta) for t in item.token_ids]
+    (reference,) = make_engine(qwen2.path, max_seq_len=256).generate([PROMPTS[0]], params)
+    assert tokens == again.output.samples[0].token_ids == reference.samples[0].token_ids
 
 
 def test_a_session_turn_on_an_actor_that_hangs_runs_again_elsewhere(make_cluster, qwen2, hold):
@@ -383,6 +430,7 @@ def test_a_replacement_that_hangs_while_loading_is_killed_and_started_again(make
     assert entry["state"] == "alive" and entry["pid"] not in (pid, replacement)
     assert entry["replacements"] == 1 and entry["hangs"] == 1 and entry["replaced_because"].startswith("hung: ")
     assert entry["failed_starts"] == 1
+    assert_metrics_match_health(cluster)
     assert entry["failed_start_because"] == (
         "replacement failed to start (try 1 of 3): it did not load and describe itself within 15 s; it was killed"
     )

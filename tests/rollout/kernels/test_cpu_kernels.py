@@ -8,6 +8,7 @@ test_sampler.py."""
 from __future__ import annotations
 
 import collections
+import re
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from rollout.kernels import load_kernels
 from rollout.kernels.build import KernelUnavailable, cpu_ops
 from rollout.model.config import ModelConfig, RopeConfig
 from rollout.model.decoder import rms_norm
-from rollout.model.linear import SKINNY_MAX_ROWS, onednn_linear, pick_linear
+from rollout.model.linear import GEMM_CHUNK, SKINNY_MAX_ROWS, gemm_plan, onednn_linear, pick_linear
 from rollout.model.rope import RotaryTable
 from tests.conftest import make_engine
 from tests.factories import FAMILIES, hf_logprobs
@@ -306,12 +307,13 @@ class CountingOps:
 
 
 @pytest.mark.parametrize("family", FAMILIES)  # qwen2: q/k/v biases; qwen3: q/k norms; mistral: sliding window
-@pytest.mark.parametrize("n", [3, 2, 1])  # 9 rows per step; 2 and 1: skinny_linear's steps (SKINNY_MAX_ROWS)
+# 21 rows per step (padded to 22 for oneDNN) and 9; 2 and 1: skinny_linear's steps (SKINNY_MAX_ROWS)
+@pytest.mark.parametrize("n", [7, 3, 2, 1])
 def test_decode_layers_op_equals_the_python_layer_loop(checkpoints, family, n):
     """Pure-decode steps run every layer in one op, bit for bit as the Python
     loop; prefill steps, and q/k-norm models throughout, keep the loop."""
     params = SamplingParams(n=n, max_tokens=30, seed=5, ignore_eos=True)
-    prompts = [list(range(3, 3 + k)) for k in (4, 19, 33)][: 3 if n == 3 else 1]
+    prompts = [list(range(3, 3 + k)) for k in (4, 19, 33)][: 3 if n > 2 else 1]
     results, calls = {}, {}
     for one_op in (True, False):
         engine = make_engine(checkpoints[family].path)
@@ -385,12 +387,48 @@ def test_half_precision_engines_keep_the_torch_elementwise_ops(qwen2):
     assert engine.stepper.sample_kernel is not None and engine.model._ops is None
 
 
-def test_onednn_linear_matches_a_float64_recompute():
+@pytest.mark.parametrize("rows", [37, 1100])  # 37: padded to 40; 1100: two chunks of 512 and 76 rows padded to 80
+def test_onednn_linear_matches_a_float64_recompute(rows):
     g = torch.Generator().manual_seed(10)
-    x, w, b = torch.randn(37, 96, generator=g), torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
+    x, w, b = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
     expected = x.double() @ w.double().T + b.double()
     torch.testing.assert_close(onednn_linear(x, w, b).double(), expected, rtol=0, atol=1e-4)
     torch.testing.assert_close(onednn_linear(x, w).double(), expected - b.double(), rtol=0, atol=1e-4)
+
+
+# The row counts oneDNN multiplies at, by hand: every count below 16, eight sizes
+# per doubling from 16 to GEMM_CHUNK (each the top of its eighth), and 0.
+GEMM_SIZES = (
+    set(range(16))
+    | set(range(16, 33, 2))
+    | set(range(36, 65, 4))
+    | set(range(72, 129, 8))
+    | set(range(144, 257, 16))
+    | set(range(288, 513, 32))
+)
+
+
+def test_gemm_plan_covers_the_rows_with_a_bounded_set_of_shapes():
+    """Every row in order, at most 1/8 padding, and the hand-counted 57 sizes whatever the rows."""
+    assert GEMM_CHUNK == 512 and len(GEMM_SIZES) == 57
+    for rows in range(3000):
+        plan = gemm_plan(rows)
+        assert sum(r for r, _ in plan) == rows and all(p in GEMM_SIZES for _, p in plan), rows
+        assert all(r <= p <= max(r * 9 / 8, r) for r, p in plan), (rows, plan)
+        assert all(r == p == GEMM_CHUNK for r, p in plan[:-1]), (rows, plan)
+
+
+def test_onednn_builds_a_bounded_set_of_shapes(capfd):
+    """oneDNN keeps a primitive per shape it multiplies (up to 1024, 0.6-2 MB each): GEMMs of
+    every row count from 1 to 1100 run at the hand-counted sizes alone, read from oneDNN's own
+    log of what it executed. Unpadded, each count was a shape of its own."""
+    w = torch.randn(24, 40)  # a weight shape no other test multiplies
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        for rows in range(1, 1101):
+            onednn_linear(torch.ones(rows, 40), w)
+    executed = {int(m) for m in re.findall(r"mb(\d+)ic40oc24\b", capfd.readouterr().out)}
+    assert executed == GEMM_SIZES - {0}
 
 
 def test_the_picked_linear_computes_a_linear_without_touching_the_global_rng():

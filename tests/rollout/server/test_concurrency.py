@@ -99,3 +99,4 @@ def test_metrics_count_requests_tokens_and_versions(tiny_server):
     assert delta("rollout_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
     assert delta("rollout_completion_tokens_total") == sum(u["completion_tokens"] for u in usages) == 30
     assert after["rollout_policy_version"] == 0 and after["rollout_kv_pages_total"] > 0
+    assert not [name for name in after if name.startswith("rollout_actor_")]  # an engine has no actors to replace
