@@ -26,7 +26,9 @@ def test_encoding_sizes_and_choice_by_hand():
     assert choose(1000, 10, 2) == "index"  # sparse
     assert choose(1000, 100, 2) == "mask"  # 325 < 600
     assert choose(1000, 990, 2) == "full"  # 2105 > 2000
-    assert choose(8, 8, 4) == "full"  # 33 > 32: whole wins once a mask costs more
+    assert choose(1000, 500, 2) == "full"  # 1125 < 2000, but a mask must halve the bytes
+    assert choose(1000, 437, 2) == "mask"  # 999 <= 1000
+    assert choose(8, 8, 4) == "full"  # 33 > 32
 
 
 def test_mask_bits_are_little_endian_per_byte():
