@@ -39,6 +39,7 @@ INDEX = "@delta.index"
 VALUES = "@delta.values"
 _SUFFIXES = (MASK, INDEX, VALUES)
 _BITS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)  # set bits per byte
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -117,8 +118,8 @@ def pack_mask(changed: torch.Tensor) -> torch.Tensor:
 
 def unpack_mask(mask: torch.Tensor, numel: int) -> torch.Tensor:
     """`pack_mask`'s inverse: `numel` bools."""
-    if mask.device.type == "cpu":
-        return torch.from_numpy(np.unpackbits(mask.numpy(), count=numel, bitorder="little")).bool()
+    if mask.device.type == "cpu":  # bytes of 0 or 1 are valid bools: a view, not a conversion
+        return torch.from_numpy(np.unpackbits(mask.numpy(), count=numel, bitorder="little")).view(torch.bool)
     bits = (mask.view(-1, 1) >> torch.arange(8, dtype=torch.uint8, device=mask.device)) & 1
     return bits.view(-1)[:numel].bool()
 
@@ -184,8 +185,9 @@ def apply_patch(name: str, live: torch.Tensor, patch: Patch) -> torch.Tensor:
             raise ValueError(f"delta mask of {name!r} has {patch.mask.numel()} bytes, expected {math.ceil(n / 8)}")
         if n % 8 and int(patch.mask[-1]) >> (n % 8):
             raise ValueError(f"delta mask of {name!r} sets bits past the tensor's {n} elements")
-        changed = unpack_mask(patch.mask.contiguous(), n).to(live.device)
-        _check_count(name, int(changed.count_nonzero()), values)
+        mask = patch.mask.contiguous()
+        _check_count(name, int(_POPCOUNT.to(mask.device)[mask.long()].sum()), values)
+        changed = unpack_mask(mask, n).to(live.device)
         _scatter(new, changed, values)
     else:
         where = patch.index.to(live.device, torch.int64)
