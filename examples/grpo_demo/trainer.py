@@ -53,7 +53,6 @@ class DemoConfig:
     tis: bool = False  # truncated importance sampling against the trainer's own logprobs (docs/off_policy.md)
     colocate: bool = False  # one process: an in-process engine asleep during each optimizer step
     lora: bool = False  # train LoRA adapters (PEFT); pushes send the adapters only
-    lora_lr: float = 2e-2  # the adapters' learning rate
 
     def __post_init__(self) -> None:
         for name in ("steps", "actors", "prompts_per_step", "n"):
@@ -119,7 +118,7 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
     rng = random.Random(cfg.seed)
     params = SamplingParams(n=cfg.n, max_tokens=task.ANSWER_TOKENS, ignore_eos=True, temperature=1.0)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(trainable, lr=cfg.lora_lr if cfg.lora else cfg.lr)
+    optimizer = torch.optim.Adam(trainable, lr=cfg.lr)
     snapshots = {0: copy.deepcopy(model).eval()}  # the policy behind each version, to measure mismatch
     submitted = cfg.prompts_per_step + round(cfg.prompts_per_step * cfg.oversample)
     pending = bridge.submit(task.prompts(rng, submitted), params)
@@ -170,10 +169,11 @@ def push_and_record(cfg: DemoConfig, model, bridge, snapshots: dict, step, batch
 
 
 def _with_lora(model):
-    """The model with LoRA adapters on every projection (PEFT); only they train."""
+    """The model with LoRA adapters on every projection and the LM head (PEFT); only they train.
+    Without the head's adapter the tiny model's frozen random head kept the reward flat."""
     from peft import LoraConfig, get_peft_model
 
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0))
 
 

@@ -110,10 +110,10 @@ def test_demo_with_over_sampling_and_tis(ray_session, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_colocated_demo_sleeps_the_engine_during_each_step(tmp_path, monkeypatch, lora):
+def test_colocated_demo_sleeps_the_engine_during_each_step(tmp_path, lora):
     """One process, no actors: rollouts on-policy (staleness 0), the engine asleep while the
-    trainer steps, exact logprobs; with `lora` the pushes carry the adapters only."""
-    monkeypatch.setenv("HOME", str(tmp_path))
+    trainer steps, exact logprobs; with `lora` the pushes carry the adapters only. HOME stays:
+    the in-process engine finds its compiled kernels under it."""
     threads = torch.get_num_threads()
     cfg = DemoConfig(steps=3, out=tmp_path / "colocate", wandb=False, colocate=True, lora=lora)
     try:
