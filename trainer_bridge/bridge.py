@@ -103,13 +103,15 @@ class TrainerBridge:
         model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
         version: int | None = None,
         inflight: str = "recompute",
-        delta: bool = True,
+        delta: bool | None = None,
     ) -> int:
         """Push the model's weights (wrapper prefixes stripped, cast to the
-        engine's dtype); returns the new policy version. With `delta` (the
-        default) only the elements whose cast value changed since the last
-        push travel, in the smallest encoding per tensor; a copy of the
-        pushed weights is kept for that (docs/weight_sync.md). A PEFT LoRA
+        engine's dtype); returns the new policy version. With `delta=True`
+        only the elements whose cast value changed since the last push
+        travel, in the smallest encoding per tensor; a copy of the pushed
+        weights is kept for that (docs/weight_sync.md). `None` (the default)
+        chooses deltas when some actor runs on another node than this
+        process (the bytes cross a network) and whole pushes otherwise. A PEFT LoRA
         model pushes its adapters only; the engines merge them over the base
         weights they keep. `last_push` says what the push cost."""
         if is_peft_lora(model_or_state_dict):  # its adapters only (and its base over discarded weights)

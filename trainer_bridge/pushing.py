@@ -40,9 +40,11 @@ class WeightPusher:
             return self.target.weights_discarded
         return "weights" in self.target.asleep
 
-    def push(self, state: Mapping[str, torch.Tensor], version: int | None, inflight: str, delta: bool) -> int:
-        if not isinstance(delta, bool):
-            raise TypeError(f"delta must be a bool, got {type(delta).__name__}")
+    def push(self, state: Mapping[str, torch.Tensor], version: int | None, inflight: str, delta: bool | None) -> int:
+        if delta is not None and not isinstance(delta, bool):
+            raise TypeError(f"delta must be None (auto) or a bool, got {type(delta).__name__}")
+        if delta is None:  # auto: deltas pay where bytes cross a network, not within one host's memory
+            delta = isinstance(self.target, RolloutCluster) and self.target.actors_off_node()
         if isinstance(self.target, RolloutCluster):
             v = self.target.push_weights(state, version, inflight, delta=delta and not has_adapters(state))
             self.last_push = self.target.last_push

@@ -3,6 +3,11 @@ model of the task (task.py) while an embedded local Ray cluster of rollout
 actors generates one step ahead, a weight push after every optimizer step.
 `run` writes the summary, the per-step rows and the reward plot.
 
+`colocate`: one process, no actors: an in-process engine that sleeps
+(level 1, its KV pool freed) during each optimizer step and wakes for the
+next rollouts, which then wait for the step (on-policy). `lora`: the model
+trains LoRA adapters (PEFT) and each push sends the adapters only.
+
 Needs the `demo` extra (transformers, matplotlib).
 """
 
@@ -46,6 +51,8 @@ class DemoConfig:
     task: str = "rule"  # "rule": one turn (task.py); "tool": ask, then answer (tool.py)
     oversample: float = 0.0  # submit this much more, train on the first prompts_per_step groups, carry the rest
     tis: bool = False  # truncated importance sampling against the trainer's own logprobs (docs/off_policy.md)
+    colocate: bool = False  # one process: an in-process engine asleep during each optimizer step
+    lora: bool = False  # train LoRA adapters (PEFT); pushes send the adapters only
 
     def __post_init__(self) -> None:
         for name in ("steps", "actors", "prompts_per_step", "n"):
@@ -54,6 +61,8 @@ class DemoConfig:
             raise ValueError(f"oversample must be a fraction in [0, 4], got {self.oversample!r}")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.colocate and (self.task != "rule" or self.oversample):
+            raise ValueError("colocate runs the rule task without oversample (rollouts wait for each step)")
         self.out = Path(self.out)
 
 
@@ -68,26 +77,35 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
     symbols = tool.SYMBOLS if cfg.task == "tool" else task.SYMBOLS
     train = tool.train if cfg.task == "tool" else _train
     model = task.make_task_model(cfg.out / "checkpoint", cfg.seed, symbols)
+    if cfg.lora:
+        model = _with_lora(model)
     metrics = Metrics(project="rollout-demo", config=_jsonable(cfg), dir=cfg.out, enabled=cfg.wandb)
-    cluster = rollout.init(
-        cfg.out / "checkpoint",
-        num_actors=cfg.actors,
-        num_cpus_per_actor=1,
-        max_seq_len=32,
-        kv_cache_tokens=4096,
-        max_batch_size=256,
-        timeout_s=300,
-        ray_init_kwargs={"num_cpus": max(os.cpu_count() or 1, cfg.actors), "log_to_driver": False},
-    )
+    sizes = dict(max_seq_len=32, kv_cache_tokens=4096, max_batch_size=256)
+    if cfg.colocate:
+        target = rollout.Engine(cfg.out / "checkpoint", device="cpu", seed=cfg.seed, **sizes)
+    else:
+        cores = max(os.cpu_count() or 1, cfg.actors)
+        target = rollout.init(
+            cfg.out / "checkpoint",
+            num_actors=cfg.actors,
+            num_cpus_per_actor=1,
+            timeout_s=300,
+            ray_init_kwargs={"num_cpus": cores, "log_to_driver": False},
+            **sizes,
+        )
     start = time.perf_counter()
     try:
         rows = train(
-            cfg, model, TrainerBridge(cluster, max_staleness=cfg.max_staleness, metrics=metrics), metrics, progress
+            cfg, model, TrainerBridge(target, max_staleness=cfg.max_staleness, metrics=metrics), metrics, progress
         )
+        peak = peak_memory(target)
     finally:
-        rollout.shutdown()
+        if cfg.colocate:
+            target.close()
+        else:
+            rollout.shutdown()
         metrics.finish()
-    summary = _summary(rows, time.perf_counter() - start)
+    summary = _summary(rows, time.perf_counter() - start) | peak
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
     (cfg.out / "steps.json").write_text(json.dumps(rows, indent=2))
     plot(rows, cfg.out / "reward.png")
@@ -99,7 +117,8 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
 
     rng = random.Random(cfg.seed)
     params = SamplingParams(n=cfg.n, max_tokens=task.ANSWER_TOKENS, ignore_eos=True, temperature=1.0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=cfg.lr)
     snapshots = {0: copy.deepcopy(model).eval()}  # the policy behind each version, to measure mismatch
     submitted = cfg.prompts_per_step + round(cfg.prompts_per_step * cfg.oversample)
     pending = bridge.submit(task.prompts(rng, submitted), params)
@@ -111,12 +130,17 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
             prompts = batch.prompts
         else:
             batch, prompts = bridge.collect(pending, timeout=300), pending.prompts
-        # The next batch generates while this one trains.
-        pending = bridge.submit(task.prompts(rng, submitted), params)
+        if not cfg.colocate:  # the next batch generates while this one trains
+            pending = bridge.submit(task.prompts(rng, submitted), params)
         reward = task.rewards(prompts, batch)
         mismatch = _mismatch(batch, snapshots)
+        if cfg.colocate:  # the engine's KV pool goes back while the trainer steps
+            bridge.target.sleep(level=1)
         loss = _policy_step(model, optimizer, batch, reward, cfg.clip, cfg.tis)
         row = push_and_record(cfg, model, bridge, snapshots, step, batch, reward, loss, mismatch)
+        if cfg.colocate:
+            bridge.target.wake_up()
+            pending = bridge.submit(task.prompts(rng, submitted), params)
         rows.append(row)
         metrics.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
         bar.set_postfix(
@@ -138,9 +162,29 @@ def push_and_record(cfg: DemoConfig, model, bridge, snapshots: dict, step, batch
         "version": version,
         "staleness_max": batch.staleness["max"],
         "push_seconds": bridge.last_push_seconds,
+        "push_bytes": bridge.last_push.bytes_sent,
         "mismatch_mean_abs": mismatch["mean_abs"],
         "mismatch_max_abs": mismatch["max_abs"],
     }
+
+
+def _with_lora(model):
+    """The model with LoRA adapters on every projection and the LM head (PEFT); only they train.
+    Without the head's adapter the tiny model's frozen random head kept the reward flat."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0))
+
+
+def peak_memory(target) -> dict[str, int]:
+    """The peak resident memory of this process and, on a cluster, the actors' resident memory now."""
+    from rollout.cluster.host import resident_bytes
+
+    out = {"peak_rss_bytes": resident_bytes("VmHWM")}
+    if not isinstance(target, rollout.Engine):
+        out["actors_rss_bytes"] = sum(h.get("rss_bytes", 0) for h in target.health())
+    return out
 
 
 def _policy_step(model, optimizer, batch, reward: torch.Tensor, clip: float, tis: bool = False) -> float:

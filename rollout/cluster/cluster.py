@@ -219,6 +219,10 @@ class RolloutCluster:
         """Bytes sent, bytes of a full push, seconds and encoding of the last committed push."""
         return self._pushes.last_push
 
+    def actors_off_node(self) -> bool:
+        """Whether some live actor runs on another node than this process (a push's bytes cross a network)."""
+        return self._pushes.actors_off_node()
+
     @property
     def weights_discarded(self) -> bool:
         """Whether a level-2 `sleep` freed the actors' weights and no push has set them since."""

@@ -71,6 +71,10 @@ class WeightPushes:
         """Bytes of the copy of the live weights kept for delta pushes (0 before the first)."""
         return 0 if self._encoder is None else self._encoder.nbytes
 
+    def actors_off_node(self) -> bool:
+        here = local_node()
+        return any(slot.node != here for slot in self._pool.alive())
+
     def push_weights(
         self,
         state_dict: Mapping[str, torch.Tensor],

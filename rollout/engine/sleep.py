@@ -13,9 +13,10 @@ its memory back while the trainer steps.
   then waking the KV keeps the push's staging and a new pool from adding up.
 
 Memory goes back to the system, not to a cache: on the CPU the KV pool is
-an anonymous mapping and large tensors are `mmap`ed by the allocator, so
-freeing them unmaps their pages; on CUDA the caching allocator's free blocks
-are returned to the driver (`torch.cuda.empty_cache`).
+an anonymous mapping, unmapped when freed, and glibc is asked to return its
+free heap pages (`malloc_trim`: weights below its mmap threshold live on the
+heap); on CUDA the caching allocator's free blocks are returned to the
+driver (`torch.cuda.empty_cache`).
 
 While the KV is asleep, calls that would generate raise `EngineAsleepError`
 (a `RuntimeError`; a server answers 503) at once, and so they do while
@@ -30,6 +31,7 @@ and `config`.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 
 import torch
@@ -183,5 +185,13 @@ def check_wake_tags(tags) -> tuple[str, ...]:
 
 
 def _return_to_driver(device: torch.device) -> None:
+    """Hand freed memory back: CUDA's cached blocks to the driver; on the host,
+    glibc's free heap pages (tensors below its mmap threshold live there, and
+    freeing them alone returns nothing to the OS)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass

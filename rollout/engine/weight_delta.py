@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 BASE = "@delta.base"
@@ -38,6 +39,7 @@ INDEX = "@delta.index"
 VALUES = "@delta.values"
 _SUFFIXES = (MASK, INDEX, VALUES)
 _BITS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)  # set bits per byte
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -58,7 +60,7 @@ class Encoded:
     """One encoded push: what to send, what `DeltaEncoder.commit` applies, its cost."""
 
     state_dict: dict[str, torch.Tensor]  # the push to send
-    pending: dict[str, tuple]  # name -> ("whole", copy) | ("patch", changed bool mask, values)
+    pending: dict[str, tuple]  # name -> ("whole", copy) | ("index", flat indices of changed elements, values)
     cost: PushCost  # seconds: the encoding's alone
 
 
@@ -93,19 +95,31 @@ def sizes(numel: int, changed: int, itemsize: int) -> dict[str, int]:
 
 
 def choose(numel: int, changed: int, itemsize: int) -> str:
-    """The smallest encoding; whole wins ties (nothing to decode)."""
+    """The smallest encoding, except that a mask must at least halve the
+    tensor's bytes: selecting and scattering through a dense mask costs a few
+    passes over the tensor on each side, more time than a whole tensor's
+    copy saves when the bytes barely shrink. Whole wins ties."""
     s = sizes(numel, changed, itemsize)
+    if s["mask"] * 2 > s["full"]:
+        del s["mask"]
     return min(s, key=lambda k: (s[k], k != "full"))
 
 
 def pack_mask(changed: torch.Tensor) -> torch.Tensor:
-    """A flat bool tensor as bits, 8 to a byte, element 0 in bit 0."""
-    pad = (-changed.numel()) % 8
-    bits = torch.nn.functional.pad(changed.view(-1).to(torch.uint8), (0, pad)).view(-1, 8)
+    """A flat bool tensor as bits, 8 to a byte, element 0 in bit 0 (numpy's
+    `packbits` on the host: one pass, no per-bit temporaries)."""
+    flat = changed.reshape(-1)
+    if flat.device.type == "cpu":
+        return torch.from_numpy(np.packbits(flat.numpy(), bitorder="little"))
+    pad = (-flat.numel()) % 8
+    bits = torch.nn.functional.pad(flat.to(torch.uint8), (0, pad)).view(-1, 8)
     return (bits * _BITS.to(bits.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_mask(mask: torch.Tensor, numel: int) -> torch.Tensor:
+    """`pack_mask`'s inverse: `numel` bools."""
+    if mask.device.type == "cpu":  # bytes of 0 or 1 are valid bools: a view, not a conversion
+        return torch.from_numpy(np.unpackbits(mask.numpy(), count=numel, bitorder="little")).view(torch.bool)
     bits = (mask.view(-1, 1) >> torch.arange(8, dtype=torch.uint8, device=mask.device)) & 1
     return bits.view(-1)[:numel].bool()
 
@@ -164,24 +178,41 @@ def apply_patch(name: str, live: torch.Tensor, patch: Patch) -> torch.Tensor:
     """A new tensor: `live` with `patch`'s elements set. Raises `ValueError`
     naming `name` when the patch does not fit `live`; `live` is untouched."""
     n = live.numel()
-    values = patch.values.to(live.device)
+    values = patch.values.to(live.device, live.dtype)
+    new = live.clone().reshape(-1)
     if patch.mask is not None:
         if patch.mask.numel() != math.ceil(n / 8):
             raise ValueError(f"delta mask of {name!r} has {patch.mask.numel()} bytes, expected {math.ceil(n / 8)}")
-        where = unpack_mask(patch.mask.to(live.device), n)
-        count = int(where.sum())
         if n % 8 and int(patch.mask[-1]) >> (n % 8):
             raise ValueError(f"delta mask of {name!r} sets bits past the tensor's {n} elements")
+        mask = patch.mask.contiguous()
+        _check_count(name, int(_POPCOUNT.to(mask.device)[mask.long()].sum()), values)
+        changed = unpack_mask(mask, n).to(live.device)
+        _scatter(new, changed, values)
     else:
         where = patch.index.to(live.device, torch.int64)
-        count = where.numel()
-        if count and (int(where[0]) < 0 or int(where[-1]) >= n or not bool((where[1:] > where[:-1]).all())):
+        if where.numel() and (int(where[0]) < 0 or int(where[-1]) >= n or not bool((where[1:] > where[:-1]).all())):
             raise ValueError(f"delta indices of {name!r} must be strictly increasing and in [0, {n})")
+        _check_count(name, where.numel(), values)
+        new.index_copy_(0, where, values)
+    return new.view(live.shape)
+
+
+def _check_count(name: str, count: int, values: torch.Tensor) -> None:
     if count != values.numel():
         raise ValueError(f"delta of {name!r} marks {count} changed elements but carries {values.numel()} values")
-    new = live.clone().reshape(-1)
-    new[where] = values.to(live.dtype)
-    return new.view(live.shape)
+
+
+def _select(flat: torch.Tensor, changed: torch.Tensor) -> torch.Tensor:
+    """`flat[changed]`; on the host through numpy, which needs no index tensor."""
+    if flat.device.type != "cpu":
+        return flat[changed]
+    return torch.from_numpy(_as_bits(flat).numpy()[changed.numpy()]).view(flat.dtype)
+
+
+def _scatter(flat: torch.Tensor, changed: torch.Tensor, values: torch.Tensor) -> None:
+    """`flat[changed] = values` in order, in place."""
+    flat.masked_scatter_(changed, values)
 
 
 class DeltaEncoder:
@@ -218,8 +249,8 @@ class DeltaEncoder:
                 counts["full"] += 1
                 changed_elements += new.numel()
                 continue
-            changed = _as_bits(new) != _as_bits(old)
-            k = int(changed.sum())
+            changed = torch.ne(_as_bits(new), _as_bits(old))
+            k = int(changed.count_nonzero())
             changed_elements += k
             if k == 0:
                 counts["unchanged"] += 1
@@ -229,11 +260,16 @@ class DeltaEncoder:
             if how == "full":
                 out[name], pending[name] = new, ("whole", new.detach().clone())
                 continue
-            values = new.detach().reshape(-1)[changed]
-            out[name + VALUES] = values
-            out[name + MASK] = pack_mask(changed) if how == "mask" else None
-            out[name + INDEX] = changed.nonzero().view(-1).to(torch.int32) if how == "index" else None
-            pending[name] = ("patch", changed, values)
+            flat = new.detach().reshape(-1)
+            if how == "mask":
+                values = out[name + VALUES] = _select(flat, changed)
+                out[name + MASK] = pack_mask(changed)
+                pending[name] = ("whole", new.detach().clone())  # one copy: cheaper than a masked scatter
+            else:
+                where = changed.nonzero().view(-1)
+                values = out[name + VALUES] = flat.index_select(0, where)
+                out[name + INDEX] = where.to(torch.int32)
+                pending[name] = ("index", where, values)
         used_delta = counts["mask"] + counts["index"] + counts["unchanged"] > 0
         # Every tensor whole: a plain push, valid over any version.
         out = {k: v for k, v in out.items() if v is not None and (used_delta or k != BASE)}
@@ -248,8 +284,7 @@ class DeltaEncoder:
             if item[0] == "whole":
                 self.reference[name] = item[1]
             else:
-                _, changed, values = item
-                self.reference[name].view(-1)[changed] = values
+                self.reference[name].view(-1).index_copy_(0, item[1], item[2])
 
     def clear(self) -> None:
         self.reference.clear()

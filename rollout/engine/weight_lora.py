@@ -81,7 +81,7 @@ def merge(name: str, base: torch.Tensor, adapter: Adapter) -> torch.Tensor:
         raise ValueError(f"adapter of {name!r} makes a ({rows}, {cols}) update; the tensor is {tuple(base.shape)}")
     wide = torch.float64 if base.dtype == torch.float64 else torch.float32
     a, b = (t.to(base.device, wide) for t in (adapter.a, adapter.b))
-    return (base.to(wide) + adapter.scaling * (b @ a)).to(base.dtype)
+    return torch.addmm(base.to(wide), b, a, alpha=adapter.scaling).to(base.dtype)
 
 
 class LoraPlan(NamedTuple):

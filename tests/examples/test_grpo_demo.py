@@ -29,6 +29,8 @@ def test_demo_smoke_run(ray_session, tmp_path, monkeypatch):
         "max_staleness_seen",
         "mean_abs_logprob_mismatch",
         "seconds",
+        "peak_rss_bytes",
+        "actors_rss_bytes",
     }
     assert summary["steps"] == 6 and summary["weight_pushes"] == 6
     assert summary["max_staleness_seen"] <= 1  # generation one step ahead, bounded
@@ -105,3 +107,25 @@ def test_demo_with_over_sampling_and_tis(ray_session, tmp_path, monkeypatch):
     assert summary["steps"] == 4 and summary["mean_abs_logprob_mismatch"] < 1e-4
     with pytest.raises(ValueError, match="oversample"):
         DemoConfig(oversample=-1)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_colocated_demo_sleeps_the_engine_during_each_step(tmp_path, lora):
+    """One process, no actors: rollouts on-policy (staleness 0), the engine asleep while the
+    trainer steps, exact logprobs; with `lora` the pushes carry the adapters only. HOME stays:
+    the in-process engine finds its compiled kernels under it."""
+    threads = torch.get_num_threads()
+    cfg = DemoConfig(steps=3, out=tmp_path / "colocate", wandb=False, colocate=True, lora=lora)
+    try:
+        summary = run(cfg, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["steps"] == 3 and summary["max_staleness_seen"] == 0 and summary["peak_rss_bytes"] > 0
+    assert summary["mean_abs_logprob_mismatch"] < 1e-4
+    steps = json.loads((tmp_path / "colocate" / "steps.json").read_text())
+    assert [s["version"] for s in steps] == [1, 2, 3]
+    if lora:  # adapters only: a small fraction of the model's bytes
+        full = sum(p.numel() * 4 for n, p in make_task_model(tmp_path / "m", seed=0).named_parameters())
+        assert all(s["push_bytes"] < full / 2 for s in steps)
+    with pytest.raises(ValueError, match="colocate runs the rule task"):
+        DemoConfig(colocate=True, task="tool")

@@ -97,7 +97,7 @@ def test_delta_and_adapter_pushes_failovers_and_sleep_on_a_cluster(ray_session, 
         steps = _train_steps(model, steps=3, lr=3e-4, seed=7)
         for round_ in range(3):
             next(steps)
-            assert bridge.push(model) == round_ + 1
+            assert bridge.push(model, delta=True) == round_ + 1
             cost = cluster.last_push
             assert (cost.encoding == "delta") == (round_ > 0) and cost.bytes_sent <= cost.bytes_full
             if round_ == 1:  # an actor dies between two delta pushes
@@ -115,7 +115,7 @@ def test_delta_and_adapter_pushes_failovers_and_sleep_on_a_cluster(ray_session, 
         with pytest.raises(Exception, match="asleep"):
             cluster.generate(PROMPTS, PARAMS)
         next(_train_steps(model, steps=1, lr=3e-4, seed=9))
-        assert bridge.push(model) == 4 and cluster.last_push.encoding == "full"
+        assert bridge.push(model, delta=True) == 4 and cluster.last_push.encoding == "full"
         cluster.wake_up(["kv_cache"])
         fresh.update_weights(export_state_dict(model, BF16))
         expected = _samples(fresh)

@@ -72,7 +72,7 @@ def test_level_2_frees_the_weights_until_a_whole_push(qwen2):
     with pytest.raises(ValueError, match="must set every weight; it lacks 'model.layers.1.mlp"):
         engine.update_weights(partial)
     bridge = TrainerBridge(engine)
-    assert bridge.push(policy) == 1  # a bridge that never pushed: whole
+    assert bridge.push(policy, delta=True) == 1  # a bridge that never pushed: whole
     engine.wake_up()
     assert engine.asleep == () and _outs(engine) == expected
     engine.sleep(2)
@@ -80,7 +80,7 @@ def test_level_2_frees_the_weights_until_a_whole_push(qwen2):
     engine.wake_up(["kv_cache"])
     with pytest.raises(EngineAsleepError, match="push every weight"):
         engine.generate(PROMPTS, PARAMS)
-    assert bridge.push(policy) == 2 and bridge.last_push.encoding == "full"  # not a delta over discarded weights
+    assert bridge.push(policy, delta=True) == 2 and bridge.last_push.encoding == "full"  # weights discarded
     assert _outs(engine) == [[(t, lp, [2] * len(t)) for t, lp, _ in o] for o in expected]
 
 

@@ -26,7 +26,9 @@ def test_encoding_sizes_and_choice_by_hand():
     assert choose(1000, 10, 2) == "index"  # sparse
     assert choose(1000, 100, 2) == "mask"  # 325 < 600
     assert choose(1000, 990, 2) == "full"  # 2105 > 2000
-    assert choose(8, 8, 4) == "full"  # 33 > 32: whole wins once a mask costs more
+    assert choose(1000, 500, 2) == "full"  # 1125 < 2000, but a mask must halve the bytes
+    assert choose(1000, 437, 2) == "mask"  # 999 <= 1000
+    assert choose(8, 8, 4) == "full"  # 33 > 32
 
 
 def test_mask_bits_are_little_endian_per_byte():
@@ -96,7 +98,7 @@ def test_delta_pushes_from_adamw_leave_the_engine_with_the_trainers_cast_weights
     bridge = TrainerBridge(engine)
     encodings = set()
     for step in _train_steps(model, steps=4, lr=3e-4, seed=3):  # noqa: B007
-        v = bridge.push(model)
+        v = bridge.push(model, delta=True)
         cast = export_state_dict(model, BF16)
         assert_holds(engine, cast)
         cost = bridge.last_push
@@ -139,3 +141,11 @@ def test_a_bad_delta_is_refused_by_name_and_changes_nothing(qwen2):
     expect = live.clone().view(-1)
     expect[torch.arange(n) % 7 == 0] = 1.0
     assert torch.equal(engine.model.weight_slots()[name].view().reshape(-1), expect)
+
+
+def test_by_default_an_in_process_engine_gets_whole_pushes_and_no_copy_is_kept(qwen2):
+    bridge = TrainerBridge(make_engine(qwen2.path))
+    bridge.push(qwen2.hf)
+    assert bridge.last_push.encoding == "full" and bridge.reference_bytes == 0
+    with pytest.raises(TypeError, match="delta must be None"):
+        bridge.push(qwen2.hf, delta="yes")

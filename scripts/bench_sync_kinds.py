@@ -1,0 +1,235 @@
+"""Weight pushes beyond full ones (docs/weight_sync.md), each against a full
+push in the same run: delta pushes after real AdamW steps on float32 master
+weights at several learning rates (bytes, time, changed fraction), LoRA
+adapter pushes against a full push of the merged weights, and sleep/wake of
+an in-process engine (memory freed, time to sleep and to wake).
+
+The model is the `bench-sync` preset (Qwen2-shaped, 123M parameters,
+tied), served in bfloat16 by 2 actors of one CPU each. Gradients are random
+normals: the optimizer's update is AdamW's own, its size set by the
+learning rate, which is what decides how many bf16 values change.
+
+    python -m scripts.bench_sync_kinds [--pushes 4] [--lrs 1e-6,1e-5,1e-4,1e-3] [--rank 16] \
+        [--out runs/bench_sync_kinds.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import rollout
+from rollout.cluster.host import resident_bytes
+from scripts.bench import write_json
+from scripts.host import describe
+from scripts.synthetic import qwen2_config, random_state, write_checkpoint
+
+CONFIG = qwen2_config("bench-sync")
+BF16 = torch.bfloat16
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class Trainer:
+    """float32 master weights and AdamW with random gradients."""
+
+    def __init__(self, state: dict[str, torch.Tensor], seed: int = 0) -> None:
+        self.params = {k: torch.nn.Parameter(v.clone()) for k, v in state.items()}
+        self.opt = torch.optim.AdamW(self.params.values(), lr=1e-5, weight_decay=0.0)
+        self.g = torch.Generator().manual_seed(seed)
+
+    def step(self, lr: float) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        for p in self.params.values():
+            p.grad = torch.randn(p.shape, generator=self.g)
+        self.opt.step()
+
+    def cast(self) -> dict[str, torch.Tensor]:
+        return {k: p.detach().to(BF16) for k, p in self.params.items()}
+
+
+def _push(cluster, state, delta: bool = False) -> dict:
+    cluster.push_weights(state, delta=delta)
+    c = cluster.last_push
+    return dict(
+        seconds=c.seconds,
+        bytes_sent=c.bytes_sent,
+        bytes_full=c.bytes_full,
+        changed=c.changed_fraction,
+        encoding=c.encoding,
+        tensors=c.tensors,
+    )
+
+
+def bench_delta(cluster, trainer: Trainer, lrs: list[float], pushes: int) -> dict:
+    for _ in range(2):  # warm-up: the store's and the scratch segments' pages
+        trainer.step(lrs[0])
+        _push(cluster, trainer.cast())
+    full = []
+    for _ in range(pushes):
+        trainer.step(lrs[0])
+        full.append(_push(cluster, trainer.cast()))
+    out = {"full": full, "delta": {}}
+    _push(cluster, trainer.cast(), delta=True)  # fills the copy deltas are taken against (a whole push)
+    for lr in lrs:
+        runs = []
+        for _ in range(pushes):
+            trainer.step(lr)
+            runs.append(_push(cluster, trainer.cast(), delta=True))
+        out["delta"][str(lr)] = runs
+    out["reference_bytes"] = cluster.reference_bytes
+    return out
+
+
+def adapters(rank: int, seed: int) -> dict[str, torch.Tensor]:
+    h, i = CONFIG["hidden_size"], CONFIG["intermediate_size"]
+    kv = CONFIG["num_key_value_heads"] * (h // CONFIG["num_attention_heads"])
+    shapes = dict(
+        q_proj=(h, h), k_proj=(kv, h), v_proj=(kv, h), o_proj=(h, h), gate_proj=(i, h), up_proj=(i, h), down_proj=(h, i)
+    )
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(CONFIG["num_hidden_layers"]):
+        for proj, (rows, cols) in shapes.items():
+            part = "self_attn" if proj in PROJECTIONS[:4] else "mlp"
+            name = f"model.layers.{layer}.{part}.{proj}.weight"
+            out[name + "@lora.A"] = torch.randn(rank, cols, generator=g) * 0.01
+            out[name + "@lora.B"] = torch.randn(rows, rank, generator=g) * 0.01
+            out[name + "@lora.scaling"] = torch.tensor([2.0], dtype=torch.float64)
+    return out
+
+
+def merged(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = dict(base)
+    for key in lora:
+        if key.endswith("@lora.A"):
+            name = key.removesuffix("@lora.A")
+            delta = lora[name + "@lora.B"] @ lora[key] * float(lora[name + "@lora.scaling"])
+            out[name] = (base[name].float() + delta).to(BF16)
+    return out
+
+
+def bench_lora(cluster, base: dict[str, torch.Tensor], rank: int, pushes: int) -> dict:
+    lora_runs, full_runs = [], []
+    for k in range(pushes + 1):  # the first of each kind warms up
+        lora = adapters(rank, seed=k)
+        run = _push(cluster, lora)
+        full = _push(cluster, merged(base, lora))
+        if k:
+            lora_runs.append(run)
+            full_runs.append(full)
+    return {"rank": rank, "lora": lora_runs, "full_merged": full_runs}
+
+
+def bench_sleep(path: Path, state: dict[str, torch.Tensor]) -> dict:
+    engine = rollout.Engine(
+        path, device="cpu", dtype="bfloat16", max_batch_size=64, max_seq_len=1024, kv_cache_tokens=65536
+    )
+    engine.kv_pool.k.fill_(0)  # the pool resident, as after long use
+    engine.kv_pool.v.fill_(0)
+    weights = sum(p.nbytes for p in engine.model.parameters())
+    kv = engine.kv_pool.nbytes
+    out = {"weights_bytes": weights, "kv_bytes": kv}
+    for level in (1, 2):
+        before = resident_bytes()
+        start = time.perf_counter()
+        engine.sleep(level)
+        out[f"sleep{level}_s"] = time.perf_counter() - start
+        out[f"sleep{level}_freed_bytes"] = before - resident_bytes()
+        if level == 2:
+            start = time.perf_counter()
+            engine.update_weights(state)
+            out["push_after_level2_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        engine.wake_up()
+        out[f"wake{level}_s"] = time.perf_counter() - start
+        engine.kv_pool.k.fill_(0)
+        engine.kv_pool.v.fill_(0)
+    engine.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_sync_kinds", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pushes", type=int, default=4)
+    parser.add_argument("--lrs", default="1e-6,1e-5,1e-4,1e-3")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--store-mb", type=int, default=1536)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_sync_kinds.json"))
+    args = parser.parse_args()
+    lrs = [float(x) for x in args.lrs.split(",")]
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=3,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=args.store_mb * 2**20,
+        _system_config={"preallocate_plasma_memory": True},
+    )
+    tmp = Path(tempfile.mkdtemp(prefix="bench_sync_kinds_"))
+    write_checkpoint(tmp, CONFIG)
+    trainer = Trainer(random_state(CONFIG, 0))
+    results = {"host": describe(), "pushes": args.pushes}
+    cluster = rollout.init(
+        tmp,
+        num_actors=2,
+        num_cpus_per_actor=1,
+        dtype="bfloat16",
+        max_seq_len=1024,
+        kv_cache_tokens=16384,
+        max_batch_size=64,
+        timeout_s=600,
+    )
+    try:
+        results["delta"] = bench_delta(cluster, trainer, lrs, args.pushes)
+        results["lora"] = bench_lora(cluster, trainer.cast(), args.rank, args.pushes)
+    finally:
+        cluster.shutdown()
+        ray.shutdown()
+    results["sleep"] = bench_sleep(tmp, trainer.cast())
+    write_json(args.out, results)
+    report(results)
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def report(r: dict) -> None:
+    d = r["delta"]
+    full_s, full_b = _median(d["full"], "seconds"), _median(d["full"], "bytes_sent")
+    print(r["host"])
+    print(f"full push: {full_b / 2**20:.0f} MiB bf16, median {full_s * 1e3:.0f} ms")
+    print("delta pushes after AdamW steps (medians): lr, changed fraction, bytes sent / full, time / full")
+    for lr, runs in d["delta"].items():
+        b, s = _median(runs, "bytes_sent"), _median(runs, "seconds")
+        changed = _median(runs, "changed")
+        print(f"  {lr:>6}: {changed:6.2%} changed, bytes {b / full_b:.3f}x, {s * 1e3:.0f} ms = {s / full_s:.2f}x")
+    print(f"trainer's copy for deltas: {d['reference_bytes'] / 2**20:.0f} MiB")
+    lo = r["lora"]
+    lb, ls = _median(lo["lora"], "bytes_sent"), _median(lo["lora"], "seconds")
+    fb, fs = _median(lo["full_merged"], "bytes_sent"), _median(lo["full_merged"], "seconds")
+    print(
+        f"LoRA rank {lo['rank']}: {lb / 2**20:.1f} MiB in {ls * 1e3:.0f} ms against the merged model's "
+        f"{fb / 2**20:.0f} MiB in {fs * 1e3:.0f} ms: bytes {lb / fb:.3f}x, time {ls / fs:.2f}x"
+    )
+    s = r["sleep"]
+    total = s["weights_bytes"] + s["kv_bytes"]
+    for level in (1, 2):
+        print(
+            f"sleep({level}): freed {s[f'sleep{level}_freed_bytes'] / 2**20:.0f} MiB "
+            f"({s[f'sleep{level}_freed_bytes'] / total:.0%} of weights + KV, {total / 2**20:.0f} MiB) in "
+            f"{s[f'sleep{level}_s'] * 1e3:.1f} ms; wake_up {s[f'wake{level}_s'] * 1e3:.1f} ms"
+        )
+    print(f"push after sleep(2): {s['push_after_level2_s'] * 1e3:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
