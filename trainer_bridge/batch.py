@@ -47,6 +47,11 @@ class RolloutBatch:
     response_attention: torch.Tensor | None = None
     prompts: list = field(default_factory=list)  # per group, the prompt as submitted (TrainerBridge.collect)
     collect_stats: dict = field(default_factory=dict)  # what collect dropped, aborted, carried, refilled
+    # On-policy distillation (`distill.teacher_logprobs`): the teacher's logprob of each response token
+    # [B, R] (0 on padding), and with top-k its k most likely tokens per position [B, R, k] (-inf padding).
+    teacher_logprobs: torch.Tensor | None = None
+    teacher_top_ids: torch.Tensor | None = None
+    teacher_top_logprobs: torch.Tensor | None = None
 
     @classmethod
     def from_outputs(
