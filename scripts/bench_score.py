@@ -87,12 +87,14 @@ def run(rounds: int, hf_batch: int) -> dict:
     check = engine.score(seqs[:8])  # the engine's numbers against transformers', once
     ref = hf_forward(hf, seqs[:8], hf_batch)
     diff = max((torch.tensor(s.logprobs[1:]) - r).abs().max().item() for s, r in zip(check, ref, strict=True))
+    print(f"{work.name}: {len(seqs)} sequences, {tokens} tokens; max |score - transformers| {diff:.2e}", flush=True)
     times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(rounds):
+    for k in range(rounds):
         for name, fn in sides.items():
             if not name.startswith("transformers"):
                 clear_cache(engine)
             times[name].append(timed(fn))
+            print(f"round {k + 1}: {name} {tokens / times[name][-1]:.0f} tokens/s", flush=True)
     rates = {name: [tokens / t for t in ts] for name, ts in times.items()}
     return {"host": describe(), "model": work.name, "rows": len(seqs), "tokens": tokens, "rates": rates, "diff": diff}
 
@@ -102,9 +104,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hf-batch", type=int, default=8)
     args = parser.parse_args()
+    print(describe(), flush=True)
     r = run(args.rounds, args.hf_batch)
-    print(r["host"])
-    print(f"{r['model']}: {r['rows']} sequences, {r['tokens']} tokens; max |score - transformers| {r['diff']:.2e}")
     medians = {name: statistics.median(v) for name, v in r["rates"].items()}
     hf, pre = medians["transformers forward"], medians["engine prefill (max_tokens=1)"]
     for name, rates in r["rates"].items():
