@@ -51,6 +51,11 @@ class RolloutBatch:
     # position to (mixture-of-experts rollouts with return_routed_experts); -1 on padding and on each
     # response's last token, which no forward computed. None when the outputs carry no routing.
     routed_experts: torch.Tensor | None = None
+    # On-policy distillation (`distill.teacher_logprobs`): the teacher's logprob of each response token
+    # [B, R] (0 on padding), and with top-k its k most likely tokens per position [B, R, k] (-inf padding).
+    teacher_logprobs: torch.Tensor | None = None
+    teacher_top_ids: torch.Tensor | None = None
+    teacher_top_logprobs: torch.Tensor | None = None
 
     @classmethod
     def from_outputs(

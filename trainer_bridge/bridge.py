@@ -20,6 +20,7 @@ from .alarm import MismatchAlarm
 from .batch import RolloutBatch
 from .carry import Carry
 from .corrections import correction_weights
+from .distill import teacher_logprobs
 from .group_collector import EngineRun, GroupCollector, GroupSource
 from .logprobs import token_logprobs
 from .lora import export_adapters, export_base, is_peft_lora
@@ -65,7 +66,10 @@ class TrainerBridge:
     `target`: a `RolloutCluster` (or the one `rollout.init` returned) or an
     in-process `Engine`. `max_staleness=k`: samples with a token older than
     `policy_version - k` are regenerated (`stale="regenerate"`) or their
-    group dropped (`stale="drop"`).
+    group dropped (`stale="drop"`). `teacher` (an `Engine` or a cluster of a
+    teacher checkpoint with the same tokenizer): every collected batch is
+    scored by it (`batch.teacher_logprobs`, with `teacher_top_logprobs`
+    alternatives; `distill.py`) for on-policy distillation.
     """
 
     def __init__(
@@ -76,9 +80,14 @@ class TrainerBridge:
         pad_token_id: int = 0,
         metrics=None,
         alarm: MismatchAlarm | None = None,
+        teacher: RolloutCluster | Engine | None = None,
+        teacher_top_logprobs: int = 0,
     ) -> None:
         if not isinstance(target, (RolloutCluster, Engine)):
             raise TypeError(f"target must be a RolloutCluster or an Engine, got {type(target).__name__}")
+        if teacher is not None and not isinstance(teacher, (RolloutCluster, Engine)):
+            raise TypeError(f"teacher must be a RolloutCluster, an Engine or None, got {type(teacher).__name__}")
+        self.teacher, self.teacher_top_logprobs = teacher, check_int("teacher_top_logprobs", teacher_top_logprobs, 0)
         self.target = target
         self.policy = StalenessPolicy(max_staleness, stale)
         self.pad_token_id = pad_token_id
@@ -225,9 +234,10 @@ class TrainerBridge:
         delivered are lost with it (`rollout/lost_groups` in the metrics).
         """
         if isinstance(pending, PendingEpisodes):
-            return self._collect_episodes(pending, timeout)
+            return self._teach(self._collect_episodes(pending, timeout))
         if min_groups is not None or keep_group is not None:
-            return self._collect_groups(pending, timeout, min_groups, leftover, keep_group, refill, max_refills)
+            batch = self._collect_groups(pending, timeout, min_groups, leftover, keep_group, refill, max_refills)
+            return self._teach(batch)
         outputs = pending.result(timeout)
         self._carry.forget(pending.source)  # a timed-out group collect left it for a retry: delivered here
         submitted = len(outputs)
@@ -252,6 +262,15 @@ class TrainerBridge:
         batch = RolloutBatch.from_outputs(outputs, pending.params, current, self.pad_token_id)
         if self.metrics is not None:  # kv_usage asks every actor: only when someone listens
             self._log_batch(batch, pending, submitted - len(outputs))
+        return self._teach(batch)
+
+    def _teach(self, batch: RolloutBatch) -> RolloutBatch:
+        """The teacher's logprobs of the batch's responses, when there is a teacher."""
+        if self.teacher is None:
+            return batch
+        batch = teacher_logprobs(self.teacher, batch, self.teacher_top_logprobs)
+        m = batch.response_mask.float()
+        self._log({"distill/reverse_kl": float(((batch.old_logprobs - batch.teacher_logprobs) * m).sum() / m.sum())})
         return batch
 
     def _collect_groups(self, pending, timeout, min_groups, leftover, keep_group, refill, max_refills) -> RolloutBatch:

@@ -1,7 +1,7 @@
 """GRPO on an embedded local Ray cluster: a tiny model learns a rule from a
 programmatic reward, with a weight push after every optimizer step.
 
-    python -m examples.grpo_demo [--steps 80] [--actors 2] [--out runs/demo] [--no-wandb] [--task rule|tool]
+    python -m examples.grpo_demo [--steps 80] [--actors 2] [--out runs/demo] [--no-wandb] [--task rule|tool|distill]
         [--colocate] [--lora]
 """
 
@@ -16,18 +16,17 @@ from examples.grpo_demo.trainer import DemoConfig, run
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m examples.grpo_demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps, one weight push each (80; --task tool: 150)"
-    )
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps, one weight push each (80; tool: 150)")
     parser.add_argument("--actors", type=int, default=2, help="rollout actors")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"))
     parser.add_argument("--no-wandb", action="store_true", help="no wandb run (offline by default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--task",
-        choices=("rule", "tool"),
+        choices=("rule", "tool", "distill"),
         default="rule",
-        help="rule: one turn; tool: multi-turn, ask the environment for a secret digit, then answer",
+        help="rule: one turn; tool: multi-turn, ask the environment for a secret digit, then answer; "
+        "distill: the rule task learnt from a teacher's logprobs (on-policy distillation, reverse KL)",
     )
     parser.add_argument(
         "--oversample", type=float, default=0.0, help="submit this fraction more groups; train on the first to finish"

@@ -33,7 +33,7 @@ from trainer_bridge.grpo import clipped_policy_loss, group_advantages
 from trainer_bridge.logprobs import logprob_mismatch, token_logprobs
 from trainer_bridge.metrics import Metrics
 
-TASKS = ("rule", "tool")
+TASKS = ("rule", "tool", "distill")
 
 
 @dataclass(slots=True)
@@ -48,7 +48,7 @@ class DemoConfig:
     clip: float = 0.2
     max_staleness: int = 1
     seed: int = 0
-    task: str = "rule"  # "rule": one turn (task.py); "tool": ask, then answer (tool.py)
+    task: str = "rule"  # "rule": one turn (task.py); "tool": ask, then answer (tool.py); "distill" (distill.py)
     oversample: float = 0.0  # submit this much more, train on the first prompts_per_step groups, carry the rest
     tis: bool = False  # truncated importance sampling against the trainer's own logprobs (docs/off_policy.md)
     colocate: bool = False  # one process: an in-process engine asleep during each optimizer step
@@ -72,13 +72,17 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
     cfg.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)  # the actors have the other cores
-    from examples.grpo_demo import tool
+    from examples.grpo_demo import distill, tool
 
     symbols = tool.SYMBOLS if cfg.task == "tool" else task.SYMBOLS
-    train = tool.train if cfg.task == "tool" else _train
+    train = {"tool": tool.train, "distill": distill.train}.get(cfg.task, _train)
     model = task.make_task_model(cfg.out / "checkpoint", cfg.seed, symbols)
     if cfg.lora:
         model = _with_lora(model)
+    teacher = None
+    if cfg.task == "distill":  # a teacher that knows the rule scores the student's samples in this process
+        distill.make_teacher(cfg.out / "teacher", cfg.seed)
+        teacher = rollout.Engine(cfg.out / "teacher", device="cpu", max_seq_len=32, kv_cache_tokens=4096)
     metrics = Metrics(project="rollout-demo", config=_jsonable(cfg), dir=cfg.out, enabled=cfg.wandb)
     sizes = dict(max_seq_len=32, kv_cache_tokens=4096, max_batch_size=256)
     if cfg.colocate:
@@ -95,15 +99,16 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
         )
     start = time.perf_counter()
     try:
-        rows = train(
-            cfg, model, TrainerBridge(target, max_staleness=cfg.max_staleness, metrics=metrics), metrics, progress
-        )
+        bridge = TrainerBridge(target, max_staleness=cfg.max_staleness, metrics=metrics, teacher=teacher)
+        rows = train(cfg, model, bridge, metrics, progress)
         peak = peak_memory(target)
     finally:
         if cfg.colocate:
             target.close()
         else:
             rollout.shutdown()
+        if teacher is not None:
+            teacher.close()
         metrics.finish()
     summary = _summary(rows, time.perf_counter() - start) | peak
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -232,7 +237,15 @@ def _summary(rows: list[dict], seconds: float) -> dict:
         "max_staleness_seen": max(r["staleness_max"] for r in rows),
         "mean_abs_logprob_mismatch": sum(r["mismatch_mean_abs"] for r in rows) / len(rows),
         **({"ask_rate_end": sum(r["ask_rate"] for r in rows[-window:]) / window} if "ask_rate" in rows[0] else {}),
+        **(_kl_summary(rows, window) if "reverse_kl" in rows[0] else {}),
         "seconds": seconds,
+    }
+
+
+def _kl_summary(rows: list[dict], window: int) -> dict:
+    return {
+        "reverse_kl_start": sum(r["reverse_kl"] for r in rows[:window]) / window,
+        "reverse_kl_end": sum(r["reverse_kl"] for r in rows[-window:]) / window,
     }
 
 
@@ -249,6 +262,10 @@ def plot(rows: list[dict], path: Path) -> None:
     if "ask_rate" in rows[0]:  # the tool task: how often the first turn asks the environment
         axes[0].plot(steps, [r["ask_rate"] for r in rows], color="tab:purple", label="asks")
         axes[0].legend(loc="lower right")
+    if "reverse_kl" in rows[0]:  # the distill task: the student's reverse KL to its teacher, on its own axis
+        kl = axes[0].twinx()
+        kl.plot(steps, [r["reverse_kl"] for r in rows], color="tab:red")
+        kl.set_ylabel("reverse KL to the teacher", color="tab:red")
     axes[0].set_ylabel("mean reward")
     axes[0].set_ylim(0, 1)
     axes[1].step(steps, [r["staleness_max"] for r in rows], where="mid", color="tab:orange")
@@ -256,7 +273,10 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[2].plot(steps, [1000 * r["push_seconds"] for r in rows], color="tab:blue")
     axes[2].set_ylabel("push (ms)")
     axes[2].set_xlabel("optimizer step (one weight push each)")
-    axes[0].set_title("GRPO on an embedded rollout cluster" + (" (multi-turn)" if "ask_rate" in rows[0] else ""))
+    if "reverse_kl" in rows[0]:
+        axes[0].set_title("On-policy distillation on an embedded rollout cluster")
+    else:
+        axes[0].set_title("GRPO on an embedded rollout cluster" + (" (multi-turn)" if "ask_rate" in rows[0] else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

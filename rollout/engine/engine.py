@@ -1,9 +1,11 @@
-"""`Engine`: one device's rollout engine. The glue between the scheduler, the stepper, the
-workspace and the policy version guard; no Ray here. A step (`_one_step`) is three calls under
-the guard: the scheduler plans (`schedule`), the stepper computes (`step`), the scheduler
-applies the result (`update`). The caller's finished requests are copied under the guard too,
-as another thread's step may be finishing them; their outputs are decoded, and the step's
-record logged, after the guard is released."""
+"""`Engine`: one device's rollout engine. The glue between the scheduler, the
+stepper, the workspace and the policy version guard; no Ray here.
+
+A step (`_one_step`) is three calls under the guard: the scheduler plans
+(`schedule`), the stepper computes (`step`), the scheduler applies the result
+(`update`). The caller's finished requests are copied under the guard too,
+as another thread's step may be finishing them; their outputs are decoded,
+and the step's record logged, after the guard is released."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from ..kernels.choice import load_kernels
 from ..model.config import ModelConfig
 from ..model.decoder import Model
 from ..model.loader import load_checkpoint
-from ..outputs import RolloutOutput, ScoredSequence
+from ..outputs import RolloutOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import TextCodec
 from .background import BackgroundDriver
@@ -198,10 +200,8 @@ class Engine(WeightsAPI, SleepAPI):
         requests = self._requests(prompts, params)
         return Generation(self._drive(requests), lambda: self._abort(requests))
 
-    def score(self, sequences, top_logprobs: int = 0, params=None, start=1) -> list[ScoredSequence]:
-        """Teacher-forced logprobs of each token of given sequences, by prefill (see `run_score`)."""
-        self._check_open()
-        return run_score(self, sequences, top_logprobs, params, start)
+    # `score(sequences, top_logprobs=0, params=None, start=1)`: teacher-forced logprobs by prefill.
+    score = run_score
 
     def stream(self, prompt, params: SamplingParams | None = None) -> TokenStream:
         """Start sampling `params.n` responses to one prompt (token ids, a string

@@ -87,6 +87,24 @@ def test_chat_session_turns_equal_transformers_greedy_continuations(smollm2_path
     assert "Rome" in sess.samples[1].text, sess.samples[1].text
 
 
+def test_score_of_a_chat_conversation_equals_transformers_log_softmax(smollm2_path, hf_model):
+    """`Engine.score` of a conversation rendered whole by the template (no generation
+    prompt), from the assistant's reply on: transformers' float32 log-softmax of the same
+    token ids, top-3 sets included."""
+    engine = make_engine(smollm2_path, max_batch_size=2, max_seq_len=128, kv_cache_tokens=512)
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_path))
+    conversation = [*QUESTION, {"role": "assistant", "content": "The capital of France is Paris."}]
+    ids = tok.apply_chat_template(conversation, tokenize=True, return_dict=False)
+    start = len(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False))
+    (scored,) = engine.score([conversation], top_logprobs=3, start=start)
+    assert scored.token_ids == ids and scored.logprobs[:start] == [None] * start
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    for i in range(start, len(ids)):
+        assert abs(scored.logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-4, i
+        assert set(scored.top_logprobs[i]) == set(ref[i - 1].topk(3).indices.tolist()) | {ids[i]}
+
+
 # --- the conversion's caching, without converting ---------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """`RolloutCluster.score`: sequences balanced over the actors like prompts, each
 scored as transformers' teacher-forced log-softmax says, and an actor killed
-mid-score loses none."""
+mid-score loses none (its sequences are scored again on the other)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ KW = dict(
 
 def test_cluster_score_survives_an_actor_killed_mid_score(ray_session, qwen2):
     g = torch.Generator().manual_seed(3)
-    seqs = torch.randint(3, qwen2.hf.config.vocab_size, (16, 96), generator=g)
+    seqs = torch.randint(3, qwen2.hf.config.vocab_size, (8, 64), generator=g)
     with torch.no_grad():
         ref = torch.log_softmax(qwen2.hf(seqs).logits.float(), -1)
     cluster = RolloutCluster(qwen2.path, **KW)
@@ -44,11 +44,6 @@ def test_cluster_score_survives_an_actor_killed_mid_score(ray_session, qwen2):
             assert o.token_ids == ids and o.version == 0 and o.logprobs[0] is None
             expected = lp[torch.arange(len(ids) - 1), ids[1:]]
             assert torch.allclose(torch.tensor(o.logprobs[1:]), expected, atol=1e-5)
-            assert all(set(o.top_logprobs[i]) == set(lp[i - 1].topk(2).indices.tolist()) | {ids[i]} for i in (1, 50))
-        # A replacement serves scores with a start, the prefix before it not wanted.
-        cluster.wait_until_healthy(120)
-        (o,) = cluster.score([seqs[0].tolist()], start=90)
-        assert o.logprobs[:90] == [None] * 90
-        assert torch.allclose(torch.tensor(o.logprobs[90:]), ref[0][torch.arange(89, 95), seqs[0, 90:]], atol=1e-5)
+            assert all(set(o.top_logprobs[i]) == set(lp[i - 1].topk(2).indices.tolist()) | {ids[i]} for i in (1, 40))
     finally:
         cluster.shutdown()

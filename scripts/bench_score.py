@@ -1,0 +1,118 @@
+"""Scoring throughput: `Engine.score` on the SmolLM2 GRPO batch (16 chat
+prompts x 8 sampled responses of up to 128 tokens, scripts/bench_real.py's
+workload, sampled once by the engine), against two peers in the same run:
+
+- transformers' teacher-forced forward of the same sequences (right-padded
+  batches of `--hf-batch` rows, log-softmax and gather of each next token:
+  what a trainer without an engine runs for reference or teacher logprobs);
+- the engine's own prefill of the same sequences (`generate` with
+  `max_tokens=1`: every position computed, the last row's logits only).
+
+Three scores: every position (`start=1`), the responses only
+(`start=len(prompt)`: the prompts' pages from the prefix cache, as a
+reference-KL or distillation call runs), and the responses with top-20
+alternatives. The prefix cache is emptied before every timed engine call (a
+weight commit of one unchanged tensor), so no call reuses another's pages.
+Rounds alternate the sides; tokens/s counts every token of the sequences.
+
+    .venv/bin/python -m scripts.bench_score [--rounds 3] [--hf-batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from rollout import Engine, SamplingParams
+from scripts.bench_real import Workload
+from scripts.host import describe
+
+
+def sequences(engine: Engine, work: Workload) -> tuple[list[list[int]], list[int]]:
+    """The GRPO batch's prompt + response sequences and each one's prompt length."""
+    outs = engine.generate(work.prompts(engine), work.params)
+    seqs = [o.prompt_token_ids + s.token_ids for o in outs for s in o.samples]
+    starts = [len(o.prompt_token_ids) for o in outs for _ in o.samples]
+    return seqs, starts
+
+
+def hf_forward(model, seqs: list[list[int]], batch: int) -> list[torch.Tensor]:
+    """Teacher-forced logprobs of every next token, `batch` rows at a time."""
+    out = []
+    with torch.no_grad():
+        for lo in range(0, len(seqs), batch):
+            rows = seqs[lo : lo + batch]
+            width = max(map(len, rows))
+            ids = torch.zeros(len(rows), width, dtype=torch.int64)
+            mask = torch.zeros_like(ids)
+            for i, r in enumerate(rows):
+                ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            lp = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
+            out.extend(lp[i, : len(r) - 1] for i, r in enumerate(rows))
+    return out
+
+
+def clear_cache(engine: Engine) -> None:
+    """Empty the prefix cache: a weight commit clears it (here of one tensor, unchanged)."""
+    name = "model.norm.weight"
+    engine.update_weights({name: engine.model.weight_slots()[name].view().clone()})
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run(rounds: int, hf_batch: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    work = Workload()
+    engine = Engine(work.path, device="cpu")
+    seqs, starts = sequences(engine, work)
+    tokens = sum(map(len, seqs))
+    hf = AutoModelForCausalLM.from_pretrained(str(work.path), dtype=torch.float32).eval()
+    prefill = SamplingParams(max_tokens=1, temperature=0)
+    sides = {
+        "score, every position": lambda: engine.score(seqs),
+        "score, responses (start=prompt)": lambda: engine.score(seqs, start=starts),
+        "score, responses, top-20": lambda: engine.score(seqs, top_logprobs=20, start=starts),
+        "engine prefill (max_tokens=1)": lambda: engine.generate(seqs, prefill),
+        "transformers forward": lambda: hf_forward(hf, seqs, hf_batch),
+    }
+    check = engine.score(seqs[:8])  # the engine's numbers against transformers', once
+    ref = hf_forward(hf, seqs[:8], hf_batch)
+    diff = max((torch.tensor(s.logprobs[1:]) - r).abs().max().item() for s, r in zip(check, ref, strict=True))
+    print(f"{work.name}: {len(seqs)} sequences, {tokens} tokens; max |score - transformers| {diff:.2e}", flush=True)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for k in range(rounds):
+        for name, fn in sides.items():
+            if not name.startswith("transformers"):
+                clear_cache(engine)
+            times[name].append(timed(fn))
+            print(f"round {k + 1}: {name} {tokens / times[name][-1]:.0f} tokens/s", flush=True)
+    rates = {name: [tokens / t for t in ts] for name, ts in times.items()}
+    return {"host": describe(), "model": work.name, "rows": len(seqs), "tokens": tokens, "rates": rates, "diff": diff}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hf-batch", type=int, default=8)
+    args = parser.parse_args()
+    print(describe(), flush=True)
+    r = run(args.rounds, args.hf_batch)
+    medians = {name: statistics.median(v) for name, v in r["rates"].items()}
+    hf, pre = medians["transformers forward"], medians["engine prefill (max_tokens=1)"]
+    for name, rates in r["rates"].items():
+        rounds = ", ".join(f"{x:.0f}" for x in rates)
+        print(f"{name:34s} {medians[name]:8.0f} tokens/s  {medians[name] / hf:5.2f}x transformers  "
+              f"{medians[name] / pre:5.2f}x prefill  (rounds {rounds})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
