@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,3 +46,12 @@ class RolloutOutput:
     # With params.return_routed_experts: the prompt's routed experts `[len(prompt), sparse layers, top_k]`
     # (None when no sample computed the whole prompt, e.g. aborted before it ran).
     prompt_routed_experts: np.ndarray | None = None
+
+
+def encode_array(array: np.ndarray | None) -> dict | None:
+    """An array for JSON (routed experts in `rollout serve` and `rollout generate`):
+    `{"shape", "dtype", "data"}`, `data` its bytes in C order and base64; None stays None."""
+    if array is None:
+        return None
+    data = base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
+    return {"shape": list(array.shape), "dtype": str(array.dtype), "data": data}

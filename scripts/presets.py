@@ -73,6 +73,24 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=True,
         max_position_embeddings=2048,
     ),
+    # The mixture-of-experts benchmark's model (scripts/bench_moe.py): a small Qwen3-MoE shape,
+    # 8 layers of 16 experts (top 4, renormalised, each 192 wide), hidden 512.
+    "bench-moe": dict(
+        model_type="qwen3_moe",
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1408,
+        moe_intermediate_size=192,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    ),
     # The weight-sync benchmark's model (scripts/bench_sync.py): a 485 MiB float32 state dict.
     "bench-sync": dict(
         model_type="qwen2",
