@@ -1,15 +1,17 @@
 """Throughput of the engine on a mixture-of-experts model against transformers
 `generate()` on the same checkpoint (its MoE forward), in one process and one
-run, on a GRPO-shaped workload: 16 prompts of 32 tokens, 8 samples each, 128
+run, on a GRPO-shaped workload: 8 prompts of 32 tokens, 8 samples each, 64
 tokens per sample (no stop), sampled at temperature 1. The model is the
 `bench-moe` preset (scripts/presets.py): a small Qwen3-MoE shape, 8 layers of
-16 experts, top 4, hidden 512, random weights. Each side runs the workload
-once untimed (first-touch allocations); then `--repeats` rounds (default 3)
-time both in turn, and the table shows the median tokens/s and the ratio of
-each round, as the machine's speed drifts between rounds. The engine also
-returns routed experts in one more timed row (`return_routed_experts=True`).
+16 experts, top 4, hidden 512, random weights. Each side first runs a small
+batch untimed (first-touch allocations); then `--repeats` rounds (default 2)
+time every side in turn, and the table shows the median tokens/s and the
+ratio of each round, as the machine's speed drifts between rounds. The
+engine also returns routed experts in one more timed row
+(`return_routed_experts=True`). `--threads` sets torch's intra-op threads
+for both sides (default: torch's own choice).
 
-    python -m scripts.bench_moe [--repeats 3] [--out runs/bench_moe.json]
+    python -m scripts.bench_moe [--repeats 2] [--threads N] [--out runs/bench_moe.json]
 
 Prints a table and writes JSON. Timings are never asserted in tests.
 """
@@ -22,20 +24,25 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import torch
+
 from rollout import Engine, SamplingParams
 from scripts.bench import make_checkpoint, time_engine, time_hf, workload_prompts
 from scripts.host import describe
 from scripts.presets import preset
 
 CONFIG = preset("bench-moe")
-N, PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 16, 32, 128
+N, PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 8, 32, 64
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     prompts = workload_prompts(PROMPTS, PROMPT_LEN, vocab=CONFIG["vocab_size"])
     params = SamplingParams(n=N, max_tokens=MAX_TOKENS, ignore_eos=True, seed=0)
     routed = SamplingParams(n=N, max_tokens=MAX_TOKENS, ignore_eos=True, seed=0, return_routed_experts=True)
@@ -47,8 +54,9 @@ def main() -> None:
             "engine_routed": lambda: time_engine(engine, prompts, routed),
             "transformers": lambda: time_hf(hf, prompts, N, MAX_TOKENS, stop_ids=None),
         }
-        for run in sides.values():  # untimed first pass of each side
-            run()
+        small = SamplingParams(n=2, max_tokens=8, ignore_eos=True, seed=0, return_routed_experts=True)
+        time_engine(engine, prompts[:2], small)  # untimed: first-touch allocations
+        time_hf(hf, prompts[:2], 2, 8, stop_ids=None)
         rounds = []
         for _ in range(args.repeats):
             rounds.append({name: _rate(*run()) for name, run in sides.items()})

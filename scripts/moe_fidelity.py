@@ -15,7 +15,7 @@ logits differ by less than bfloat16 resolves, as in trained MoE models where
 the R3 paper measured about 10% of decisions disagreeing. Otherwise the
 weights are random, 4 layers of 32 experts (top 4, renormalised), hidden 256.
 
-    python -m scripts.moe_fidelity [--out runs/moe_fidelity.json]
+    python -m scripts.moe_fidelity [--threads N] [--out runs/moe_fidelity.json]
 """
 
 from __future__ import annotations
@@ -95,8 +95,11 @@ def _own_routing(model, batch) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         build(Path(tmp))
         report = {"host": describe(), "model": CONFIG}
