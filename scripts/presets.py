@@ -158,6 +158,26 @@ PRESETS: dict[str, dict] = {
         eos_token_id=2,
         pad_token_id=0,
     ),
+    # The GRPO demo's mixture-of-experts model (`--model moe`): 8 experts of which 2 route each token.
+    "grpo-demo-moe": dict(
+        model_type="qwen3_moe",
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
     # The tests' checkpoints (tests/factories.py), here as qwen2; the factory
     # sets each family's type, tying, head size and rope per family.
     "test-tiny": dict(

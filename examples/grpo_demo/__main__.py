@@ -2,6 +2,7 @@
 programmatic reward, with a weight push after every optimizer step.
 
     python -m examples.grpo_demo [--steps 80] [--actors 2] [--out runs/demo] [--no-wandb] [--task rule|tool]
+                                 [--model dense|moe]
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def main() -> None:
         "--oversample", type=float, default=0.0, help="submit this fraction more groups; train on the first to finish"
     )
     parser.add_argument("--tis", action="store_true", help="truncated importance sampling (docs/off_policy.md)")
+    parser.add_argument(
+        "--model", choices=("dense", "moe"), default="dense", help="moe: a Qwen3-MoE policy trained with routing replay"
+    )
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 150 if args.task == "tool" else 80
@@ -45,6 +49,7 @@ def main() -> None:
             task=args.task,
             oversample=args.oversample,
             tis=args.tis,
+            model=args.model,
         )
     )
     print(json.dumps(summary, indent=2))

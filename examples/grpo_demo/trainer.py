@@ -46,6 +46,8 @@ class DemoConfig:
     task: str = "rule"  # "rule": one turn (task.py); "tool": ask, then answer (tool.py)
     oversample: float = 0.0  # submit this much more, train on the first prompts_per_step groups, carry the rest
     tis: bool = False  # truncated importance sampling against the trainer's own logprobs (docs/off_policy.md)
+    # "moe": a Qwen3-MoE policy, trained with routing replay (the rollouts' experts forced, docs/moe.md)
+    model: str = "dense"
 
     def __post_init__(self) -> None:
         for name in ("steps", "actors", "prompts_per_step", "n"):
@@ -54,6 +56,10 @@ class DemoConfig:
             raise ValueError(f"oversample must be a fraction in [0, 4], got {self.oversample!r}")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.model not in ("dense", "moe"):
+            raise ValueError(f"model must be 'dense' or 'moe', got {self.model!r}")
+        if self.model == "moe" and self.task != "rule":
+            raise ValueError("model 'moe' runs the 'rule' task (a cluster session returns no routed experts)")
         self.out = Path(self.out)
 
 
@@ -67,7 +73,8 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
 
     symbols = tool.SYMBOLS if cfg.task == "tool" else task.SYMBOLS
     train = tool.train if cfg.task == "tool" else _train
-    model = task.make_task_model(cfg.out / "checkpoint", cfg.seed, symbols)
+    shape = "grpo-demo-moe" if cfg.model == "moe" else "grpo-demo"
+    model = task.make_task_model(cfg.out / "checkpoint", cfg.seed, symbols, shape)
     metrics = Metrics(project="rollout-demo", config=_jsonable(cfg), dir=cfg.out, enabled=cfg.wandb)
     cluster = rollout.init(
         cfg.out / "checkpoint",
@@ -98,7 +105,10 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
     from tqdm import tqdm
 
     rng = random.Random(cfg.seed)
-    params = SamplingParams(n=cfg.n, max_tokens=task.ANSWER_TOKENS, ignore_eos=True, temperature=1.0)
+    replay = cfg.model == "moe"  # the rollouts return their experts and the trainer's forwards replay them
+    params = SamplingParams(
+        n=cfg.n, max_tokens=task.ANSWER_TOKENS, ignore_eos=True, temperature=1.0, return_routed_experts=replay
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     snapshots = {0: copy.deepcopy(model).eval()}  # the policy behind each version, to measure mismatch
     submitted = cfg.prompts_per_step + round(cfg.prompts_per_step * cfg.oversample)
@@ -114,9 +124,11 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
         # The next batch generates while this one trains.
         pending = bridge.submit(task.prompts(rng, submitted), params)
         reward = task.rewards(prompts, batch)
-        mismatch = _mismatch(batch, snapshots)
-        loss = _policy_step(model, optimizer, batch, reward, cfg.clip, cfg.tis)
+        mismatch = _mismatch(batch, snapshots, replay)
+        loss = _policy_step(model, optimizer, batch, reward, cfg.clip, cfg.tis, replay)
         row = push_and_record(cfg, model, bridge, snapshots, step, batch, reward, loss, mismatch)
+        if replay:  # what the mismatch would be without replay
+            row["mismatch_unreplayed_mean_abs"] = _mismatch(batch, snapshots, False)["mean_abs"]
         rows.append(row)
         metrics.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
         bar.set_postfix(
@@ -143,7 +155,9 @@ def push_and_record(cfg: DemoConfig, model, bridge, snapshots: dict, step, batch
     }
 
 
-def _policy_step(model, optimizer, batch, reward: torch.Tensor, clip: float, tis: bool = False) -> float:
+def _policy_step(
+    model, optimizer, batch, reward: torch.Tensor, clip: float, tis: bool = False, replay: bool = False
+) -> float:
     """One GRPO optimizer step on `batch`: group-relative advantages, the clipped
     surrogate against the rollout logprobs; returns the loss. With `tis`, the
     surrogate is taken against the trainer's own logprobs before the step and
@@ -151,14 +165,14 @@ def _policy_step(model, optimizer, batch, reward: torch.Tensor, clip: float, tis
     advantages = group_advantages(reward, batch.group_index)
     if tis:
         with torch.no_grad():
-            trainer_old = token_logprobs(model.eval(), batch)
+            trainer_old = token_logprobs(model.eval(), batch, replay_routing=replay)
         weights, _ = correction_weights(trainer_old, batch.old_logprobs, batch.response_mask, "tis", clip=2.0)
         model.train()
-        new = token_logprobs(model, batch)
+        new = token_logprobs(model, batch, replay_routing=replay)
         loss = corrected_policy_loss(new, trainer_old, advantages, batch.response_mask, weights, clip)
     else:
         model.train()
-        new = token_logprobs(model, batch)
+        new = token_logprobs(model, batch, replay_routing=replay)
         loss = clipped_policy_loss(new, batch.old_logprobs, advantages, batch.response_mask, clip)
     optimizer.zero_grad()
     loss.backward()
@@ -167,12 +181,12 @@ def _policy_step(model, optimizer, batch, reward: torch.Tensor, clip: float, tis
 
 
 @torch.no_grad()
-def _mismatch(batch, snapshots: dict) -> dict[str, float]:
+def _mismatch(batch, snapshots: dict, replay: bool = False) -> dict[str, float]:
     """Rollout vs trainer logprobs, each token against the trainer's weights of the version that sampled it."""
     mask = batch.response_mask.bool()
     recomputed = torch.zeros_like(batch.old_logprobs)
     for version in batch.versions[mask].unique().tolist():
-        lp = token_logprobs(snapshots[version], batch)
+        lp = token_logprobs(snapshots[version], batch, replay_routing=replay)
         at = mask & (batch.versions == version)
         recomputed[at] = lp[at]
     return logprob_mismatch(batch.old_logprobs, recomputed, mask)
@@ -187,6 +201,11 @@ def _summary(rows: list[dict], seconds: float) -> dict:
         "weight_pushes": len(rows),
         "max_staleness_seen": max(r["staleness_max"] for r in rows),
         "mean_abs_logprob_mismatch": sum(r["mismatch_mean_abs"] for r in rows) / len(rows),
+        **(
+            {"mean_abs_logprob_mismatch_unreplayed": sum(r["mismatch_unreplayed_mean_abs"] for r in rows) / len(rows)}
+            if "mismatch_unreplayed_mean_abs" in rows[0]
+            else {}
+        ),
         **({"ask_rate_end": sum(r["ask_rate"] for r in rows[-window:]) / window} if "ask_rate" in rows[0] else {}),
         "seconds": seconds,
     }
