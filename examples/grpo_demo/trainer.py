@@ -182,8 +182,15 @@ def _policy_step(
 
 @torch.no_grad()
 def _mismatch(batch, snapshots: dict, replay: bool = False) -> dict[str, float]:
-    """Rollout vs trainer logprobs, each token against the trainer's weights of the version that sampled it."""
+    """Rollout vs trainer logprobs, each token against the trainer's weights of the version that sampled it.
+
+    With `replay` (an MoE policy), over the tokens of each sample's last version only: a commit
+    mid-sample recomputes the sample's KV, and its routing, under the new weights, so the routing
+    the engine returns is that of the last version (docs/moe.md); earlier tokens were sampled
+    under a routing no forward of the whole sample can reproduce."""
     mask = batch.response_mask.bool()
+    if replay:
+        mask &= batch.versions == batch.versions.max(dim=1, keepdim=True).values
     recomputed = torch.zeros_like(batch.old_logprobs)
     for version in batch.versions[mask].unique().tolist():
         lp = token_logprobs(snapshots[version], batch, replay_routing=replay)
