@@ -29,6 +29,7 @@ from typing import IO
 from tqdm import tqdm
 
 from .engine.engine import Engine
+from .outputs import encode_array
 from .sampling_params import LOGPROBS_MODES, SamplingParams
 
 
@@ -53,7 +54,7 @@ def read_prompts(path: Path) -> list:
 
 
 def output_record(out) -> dict:
-    return {
+    record = {
         "index": out.index,
         "prompt": out.prompt,
         "prompt_token_ids": out.prompt_token_ids,
@@ -68,6 +69,11 @@ def output_record(out) -> dict:
             for s in out.samples
         ],
     }
+    if out.prompt_routed_experts is not None or any(s.routed_experts is not None for s in out.samples):
+        record["prompt_routed_experts"] = encode_array(out.prompt_routed_experts)
+        for r, s in zip(record["samples"], out.samples, strict=True):
+            r["routed_experts"] = encode_array(s.routed_experts)
+    return record
 
 
 # Prompts done of all, and generated tokens per second (the bar counts prompts).
@@ -133,6 +139,7 @@ def generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         seed=args.seed,
         logprobs_mode=args.logprobs_mode,
+        return_routed_experts=args.return_routed_experts,
     )
     engine = Engine(
         args.model,
@@ -224,6 +231,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="processed")
+    g.add_argument(
+        "--return-routed-experts", action="store_true", help="each position's experts (mixture-of-experts models)"
+    )
     _engine_flags(g)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     _serve_parser(sub)

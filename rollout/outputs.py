@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,3 +68,12 @@ class ScoredSequence:
     version: int  # policy version whose weights computed every logprob
     text: str | None = None  # the sequence's text, when it was given as text or chat messages
     index: int | None = None  # position of the sequence in the call
+
+
+def encode_array(array: np.ndarray | None) -> dict | None:
+    """An array for JSON (routed experts in `rollout serve` and `rollout generate`):
+    `{"shape", "dtype", "data"}`, `data` its bytes in C order and base64; None stays None."""
+    if array is None:
+        return None
+    data = base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
+    return {"shape": list(array.shape), "dtype": str(array.dtype), "data": data}

@@ -3,6 +3,7 @@ programmatic reward, with a weight push after every optimizer step.
 
     python -m examples.grpo_demo [--steps 80] [--actors 2] [--out runs/demo] [--no-wandb] [--task rule|tool|distill]
         [--colocate] [--lora]
+        [--model dense|moe]
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def main() -> None:
         "--colocate", action="store_true", help="one process: an in-process engine asleep during each optimizer step"
     )
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT); pushes send adapters only")
+    parser.add_argument(
+        "--model", choices=("dense", "moe"), default="dense", help="moe: a Qwen3-MoE policy trained with routing replay"
+    )
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 150 if args.task == "tool" else 80
@@ -51,6 +55,7 @@ def main() -> None:
             tis=args.tis,
             colocate=args.colocate,
             lora=args.lora,
+            model=args.model,
         )
     )
     print(json.dumps(summary, indent=2))

@@ -21,13 +21,14 @@ SYMBOLS = [str(d) for d in range(10)] + [">", "+", "="]
 ANSWER_TOKENS = 4
 
 
-def make_task_model(path: Path, seed: int, symbols: list[str] = SYMBOLS):
-    """Write a random tiny Llama checkpoint and its tokenizer (one token per
-    symbol of `symbols`) to `path`; return the transformers model."""
+def make_task_model(path: Path, seed: int, symbols: list[str] = SYMBOLS, shape: str = "grpo-demo"):
+    """Write a random tiny checkpoint of the preset `shape` (a Llama, or `grpo-demo-moe`:
+    a Qwen3-MoE) and its tokenizer (one token per symbol of `symbols`) to `path`;
+    return the transformers model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**preset("grpo-demo")))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**preset(shape)))
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     write_tokenizer(path, symbols)

@@ -53,6 +53,8 @@ class DemoConfig:
     tis: bool = False  # truncated importance sampling against the trainer's own logprobs (docs/off_policy.md)
     colocate: bool = False  # one process: an in-process engine asleep during each optimizer step
     lora: bool = False  # train LoRA adapters (PEFT); pushes send the adapters only
+    # "moe": a Qwen3-MoE policy, trained with routing replay (the rollouts' experts forced, docs/moe.md)
+    model: str = "dense"
 
     def __post_init__(self) -> None:
         for name in ("steps", "actors", "prompts_per_step", "n"):
@@ -63,6 +65,12 @@ class DemoConfig:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.colocate and (self.task != "rule" or self.oversample):
             raise ValueError("colocate runs the rule task without oversample (rollouts wait for each step)")
+        if self.model not in ("dense", "moe"):
+            raise ValueError(f"model must be 'dense' or 'moe', got {self.model!r}")
+        if self.model == "moe" and self.task != "rule":
+            raise ValueError("model 'moe' runs the 'rule' task (a cluster session returns no routed experts)")
+        if self.model == "moe" and self.lora:
+            raise ValueError("model 'moe' trains every weight (lora adapts the dense projections only)")
         self.out = Path(self.out)
 
 
@@ -76,7 +84,8 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
 
     symbols = tool.SYMBOLS if cfg.task == "tool" else task.SYMBOLS
     train = {"tool": tool.train, "distill": distill.train}.get(cfg.task, _train)
-    model = task.make_task_model(cfg.out / "checkpoint", cfg.seed, symbols)
+    shape = "grpo-demo-moe" if cfg.model == "moe" else "grpo-demo"
+    model = task.make_task_model(cfg.out / "checkpoint", cfg.seed, symbols, shape)
     if cfg.lora:
         model = _with_lora(model)
     teacher = None
@@ -121,7 +130,10 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
     from tqdm import tqdm
 
     rng = random.Random(cfg.seed)
-    params = SamplingParams(n=cfg.n, max_tokens=task.ANSWER_TOKENS, ignore_eos=True, temperature=1.0)
+    replay = cfg.model == "moe"  # the rollouts return their experts and the trainer's forwards replay them
+    params = SamplingParams(
+        n=cfg.n, max_tokens=task.ANSWER_TOKENS, ignore_eos=True, temperature=1.0, return_routed_experts=replay
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(trainable, lr=cfg.lr)
     snapshots = {0: copy.deepcopy(model).eval()}  # the policy behind each version, to measure mismatch
@@ -138,11 +150,13 @@ def _train(cfg: DemoConfig, model, bridge: TrainerBridge, metrics: Metrics, prog
         if not cfg.colocate:  # the next batch generates while this one trains
             pending = bridge.submit(task.prompts(rng, submitted), params)
         reward = task.rewards(prompts, batch)
-        mismatch = _mismatch(batch, snapshots)
+        mismatch = _mismatch(batch, snapshots, replay)
         if cfg.colocate:  # the engine's KV pool goes back while the trainer steps
             bridge.target.sleep(level=1)
-        loss = _policy_step(model, optimizer, batch, reward, cfg.clip, cfg.tis)
+        loss = _policy_step(model, optimizer, batch, reward, cfg.clip, cfg.tis, replay)
         row = push_and_record(cfg, model, bridge, snapshots, step, batch, reward, loss, mismatch)
+        if replay:  # what the mismatch would be without replay
+            row["mismatch_unreplayed_mean_abs"] = _mismatch(batch, snapshots, False)["mean_abs"]
         if cfg.colocate:
             bridge.target.wake_up()
             pending = bridge.submit(task.prompts(rng, submitted), params)
@@ -192,7 +206,9 @@ def peak_memory(target) -> dict[str, int]:
     return out
 
 
-def _policy_step(model, optimizer, batch, reward: torch.Tensor, clip: float, tis: bool = False) -> float:
+def _policy_step(
+    model, optimizer, batch, reward: torch.Tensor, clip: float, tis: bool = False, replay: bool = False
+) -> float:
     """One GRPO optimizer step on `batch`: group-relative advantages, the clipped
     surrogate against the rollout logprobs; returns the loss. With `tis`, the
     surrogate is taken against the trainer's own logprobs before the step and
@@ -200,14 +216,14 @@ def _policy_step(model, optimizer, batch, reward: torch.Tensor, clip: float, tis
     advantages = group_advantages(reward, batch.group_index)
     if tis:
         with torch.no_grad():
-            trainer_old = token_logprobs(model.eval(), batch)
+            trainer_old = token_logprobs(model.eval(), batch, replay_routing=replay)
         weights, _ = correction_weights(trainer_old, batch.old_logprobs, batch.response_mask, "tis", clip=2.0)
         model.train()
-        new = token_logprobs(model, batch)
+        new = token_logprobs(model, batch, replay_routing=replay)
         loss = corrected_policy_loss(new, trainer_old, advantages, batch.response_mask, weights, clip)
     else:
         model.train()
-        new = token_logprobs(model, batch)
+        new = token_logprobs(model, batch, replay_routing=replay)
         loss = clipped_policy_loss(new, batch.old_logprobs, advantages, batch.response_mask, clip)
     optimizer.zero_grad()
     loss.backward()
@@ -216,12 +232,19 @@ def _policy_step(model, optimizer, batch, reward: torch.Tensor, clip: float, tis
 
 
 @torch.no_grad()
-def _mismatch(batch, snapshots: dict) -> dict[str, float]:
-    """Rollout vs trainer logprobs, each token against the trainer's weights of the version that sampled it."""
+def _mismatch(batch, snapshots: dict, replay: bool = False) -> dict[str, float]:
+    """Rollout vs trainer logprobs, each token against the trainer's weights of the version that sampled it.
+
+    With `replay` (an MoE policy), over the tokens of each sample's last version only: a commit
+    mid-sample recomputes the sample's KV, and its routing, under the new weights, so the routing
+    the engine returns is that of the last version (docs/moe.md); earlier tokens were sampled
+    under a routing no forward of the whole sample can reproduce."""
     mask = batch.response_mask.bool()
+    if replay:
+        mask &= batch.versions == batch.versions.max(dim=1, keepdim=True).values
     recomputed = torch.zeros_like(batch.old_logprobs)
     for version in batch.versions[mask].unique().tolist():
-        lp = token_logprobs(snapshots[version], batch)
+        lp = token_logprobs(snapshots[version], batch, replay_routing=replay)
         at = mask & (batch.versions == version)
         recomputed[at] = lp[at]
     return logprob_mismatch(batch.old_logprobs, recomputed, mask)
@@ -236,6 +259,11 @@ def _summary(rows: list[dict], seconds: float) -> dict:
         "weight_pushes": len(rows),
         "max_staleness_seen": max(r["staleness_max"] for r in rows),
         "mean_abs_logprob_mismatch": sum(r["mismatch_mean_abs"] for r in rows) / len(rows),
+        **(
+            {"mean_abs_logprob_mismatch_unreplayed": sum(r["mismatch_unreplayed_mean_abs"] for r in rows) / len(rows)}
+            if "mismatch_unreplayed_mean_abs" in rows[0]
+            else {}
+        ),
         **({"ask_rate_end": sum(r["ask_rate"] for r in rows[-window:]) / window} if "ask_rate" in rows[0] else {}),
         **(_kl_summary(rows, window) if "reverse_kl" in rows[0] else {}),
         "seconds": seconds,

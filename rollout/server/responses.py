@@ -6,8 +6,13 @@ one `Shape` per endpoint answers those differences and the rest is shared.
 
 Extensions on every choice: `policy_versions` (the policy version of each
 token); with `return_token_ids`, `token_ids` (and for completions
-`prompt_token_ids`; for chat the top-level `prompt_token_ids`). Top level:
-`policy_version`, the newest version among the response's tokens."""
+`prompt_token_ids`; for chat the top-level `prompt_token_ids`); with
+`return_routed_experts` (mixture-of-experts models), `routed_experts` and,
+where the prompt ids go, `prompt_routed_experts`, each an array as
+`{"shape", "dtype", "data"}` with `data` its bytes in base64 (C order, the
+machine's byte order: little-endian on every supported host), on the
+whole response's choices and on a stream's last chunk of each choice. Top
+level: `policy_version`, the newest version among the response's tokens."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..outputs import RolloutOutput
+from ..outputs import RolloutOutput, encode_array
 from ..tokenizer import TextCodec
 from .echo import MIN_LOGPROB, echo_body, echo_choice
 from .translate import Job
@@ -54,6 +59,7 @@ class Reply:
                     c["prompt_token_ids"] = out.prompt_token_ids
                 if self.job.echo is not None and not self.chat:
                     echo_choice(self, c, p, out, s)
+                self._routing(c, out, k)
                 choices.append(c)
         body = self._head("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage(outputs)
@@ -61,7 +67,16 @@ class Reply:
             echo_body(self, body, outputs)
         if self.job.return_token_ids and self.chat:
             body["prompt_token_ids"] = outputs[0].prompt_token_ids
+        if self.chat and self.job.params.return_routed_experts:
+            body["prompt_routed_experts"] = encode_array(outputs[0].prompt_routed_experts)
         return body
+
+    def _routing(self, choice: dict, out: RolloutOutput, k: int) -> None:
+        """Sample `k`'s routed experts on `choice`, and for completions the prompt's."""
+        if self.job.params.return_routed_experts:
+            choice["routed_experts"] = encode_array(out.samples[k].routed_experts)
+            if not self.chat:
+                choice["prompt_routed_experts"] = encode_array(out.prompt_routed_experts)
 
     # -- stream chunks -----------------------------------------------------------------
     def chunk(
@@ -93,6 +108,9 @@ class Reply:
         chunk["choices"][0]["finish_reason"] = finish_reason
         if self.job.return_token_ids:
             (chunk["choices"][0] if not self.chat else chunk)["prompt_token_ids"] = out.prompt_token_ids
+        self._routing(chunk["choices"][0], out, index % self.job.params.n)
+        if self.chat and self.job.params.return_routed_experts:
+            chunk["prompt_routed_experts"] = encode_array(out.prompt_routed_experts)
         return chunk
 
     def usage_chunk(self, outputs: list[RolloutOutput]) -> dict:

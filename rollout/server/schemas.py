@@ -45,6 +45,7 @@ class CommonRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False  # prompt and completion token ids in the response
+    return_routed_experts: bool = False  # mixture-of-experts models: the experts each position went to
     logprobs_mode: str | None = None  # the engine's: "processed" (default), "raw" or "scaled"
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs and this many alternatives (vLLM's)
     # OpenAI fields accepted only at their no-op values.

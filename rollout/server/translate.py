@@ -120,6 +120,7 @@ def _sampling_params(req: CommonRequest, max_tokens: int, prompt_field: str, top
             seed=req.seed,
             logprobs_mode=req.logprobs_mode or "processed",
             top_logprobs=top_logprobs,
+            return_routed_experts=req.return_routed_experts,
         )
     except (ValueError, TypeError) as e:
         raise from_engine(e, prompt_field) from None

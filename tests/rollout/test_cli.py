@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from rollout import Engine, SamplingParams
@@ -159,3 +160,21 @@ def test_a_stale_partial_file_of_a_killed_run_does_not_stop_the_next(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert out.stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_generate_writes_routed_experts_of_a_moe_model(moe_checkpoints, tmp_path):
+    from tests.rollout.server.test_routed_experts import decode
+
+    path = moe_checkpoints["qwen3_moe"].path
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("[1, 40, 41]\n")
+    flags = ["--n", "2", "--max-tokens", "5", "--seed", "3", "--ignore-eos", "--return-routed-experts"]
+    sizes = ["--max-seq-len", "64", "--kv-cache-tokens", "2048", "--quiet"]
+    assert main(["generate", "--model", str(path), "--prompts", str(prompts), "--out", str(out), *flags, *sizes]) == 0
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    engine = Engine(path, device="cpu", max_seq_len=64, kv_cache_tokens=2048)
+    params = SamplingParams(n=2, max_tokens=5, seed=3, ignore_eos=True, return_routed_experts=True)
+    (ref,) = engine.generate([[1, 40, 41]], params)
+    np.testing.assert_array_equal(decode(record["prompt_routed_experts"]), ref.prompt_routed_experts)
+    for got, s in zip(record["samples"], ref.samples, strict=True):
+        np.testing.assert_array_equal(decode(got["routed_experts"]), s.routed_experts)
