@@ -101,6 +101,7 @@ def score_iter(engine, sequences, top_logprobs: int = 0, params=None, start=1) -
     """`run_score` as a `Generation`: `(index, ScoredSequence)` pairs as sequences
     finish; `abort()` ends the unfinished ones (their logprobs None where not computed)."""
     engine._check_open()
+    engine._check_awake()
     requests = score_requests(sequences, top_logprobs, params, start, engine)
     return Generation(engine._drive(requests), lambda: engine._abort(requests))
 

@@ -36,6 +36,8 @@ def test_outputs_after_a_wake_equal_those_before_and_the_kv_memory_goes_back(qwe
     assert engine.asleep == ("kv_cache",) and engine.policy_version == 0
     with pytest.raises(EngineAsleepError, match="wake_up"):
         engine.generate(PROMPTS, PARAMS)
+    with pytest.raises(EngineAsleepError, match="wake_up"):
+        engine.score(PROMPTS)
     engine.wake_up(tags=["weights"])  # level 1 kept them: nothing to do
     assert engine.asleep == ("kv_cache",)
     engine.wake_up(tags=["kv_cache"])
