@@ -105,3 +105,10 @@ def test_demo_with_over_sampling_and_tis(ray_session, tmp_path, monkeypatch):
     assert summary["steps"] == 4 and summary["mean_abs_logprob_mismatch"] < 1e-4
     with pytest.raises(ValueError, match="oversample"):
         DemoConfig(oversample=-1)
+
+
+def test_moe_demo_config_is_checked():
+    with pytest.raises(ValueError, match="model must be 'dense' or 'moe'"):
+        DemoConfig(model="sparse")
+    with pytest.raises(ValueError, match="model 'moe' runs the 'rule' task"):
+        DemoConfig(model="moe", task="tool")
