@@ -129,3 +129,12 @@ def test_colocated_demo_sleeps_the_engine_during_each_step(tmp_path, lora):
         assert all(s["push_bytes"] < full / 2 for s in steps)
     with pytest.raises(ValueError, match="colocate runs the rule task"):
         DemoConfig(colocate=True, task="tool")
+
+
+def test_moe_demo_config_is_checked():
+    with pytest.raises(ValueError, match="model must be 'dense' or 'moe'"):
+        DemoConfig(model="sparse")
+    with pytest.raises(ValueError, match="model 'moe' runs the 'rule' task"):
+        DemoConfig(model="moe", task="tool")
+    with pytest.raises(ValueError, match="model 'moe' trains every weight"):
+        DemoConfig(model="moe", lora=True)

@@ -19,6 +19,7 @@ from tests.factories import MOE_FAMILIES, hf_logprobs, with_pushes
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(3, 28))]
 RAW = SamplingParams(n=2, max_tokens=10, ignore_eos=True, seed=5, logprobs_mode="raw")
+ONE = SamplingParams(max_tokens=8, ignore_eos=True, seed=5, logprobs_mode="raw")  # pushes: one sample a prompt
 
 
 def _max_error(hf, outs) -> float:
@@ -102,7 +103,7 @@ def test_push_of_one_expert_by_checkpoint_names(moe_checkpoints, family):
         e.down_proj[1].copy_(new["down"])
     names = _expert_names(family, 0, 1)
     assert engine.update_weights({names[k]: v for k, v in new.items()}) == 1
-    after = engine.generate(PROMPTS, RAW)
+    after = engine.generate(PROMPTS, ONE)
     assert _max_error(hf, after) < 1e-5
     assert _max_error(ck.hf, after) > 1e-3  # the pushed expert took part
 
@@ -118,13 +119,13 @@ def test_push_of_routers_only_and_of_fused_expert_tensors(moe_checkpoints, famil
     assert len(routers) == 2
     hf = with_pushes(hf, routers)
     engine.update_weights(routers)
-    flipped = engine.generate(PROMPTS, RAW)
+    flipped = engine.generate(PROMPTS, ONE)
     assert _max_error(hf, flipped) < 1e-5 and _max_error(ck.hf, flipped) > 1e-3
     # The names transformers' modules carry: what a trainer's state_dict() pushes.
     fused = {n: t + 0.05 for n, t in hf.state_dict().items() if ".mlp.experts." in n}
     assert sorted({n.rsplit(".", 1)[1] for n in fused}) == ["down_proj", "gate_up_proj"]
     engine.update_weights(fused)
-    assert _max_error(with_pushes(hf, fused), engine.generate(PROMPTS, RAW)) < 1e-5
+    assert _max_error(with_pushes(hf, fused), engine.generate(PROMPTS, ONE)) < 1e-5
 
 
 def test_checkpoint_with_fused_expert_tensors_loads(moe_checkpoints, tmp_path):
