@@ -15,7 +15,7 @@ alternatives. The prefix cache is emptied before every timed engine call (a
 weight commit of one unchanged tensor), so no call reuses another's pages.
 Rounds alternate the sides; tokens/s counts every token of the sequences.
 
-    .venv/bin/python -m scripts.bench_score [--rounds 3] [--hf-batch 8]
+    .venv/bin/python -m scripts.bench_score [--rounds 3] [--hf-batch 8] [--n 8]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -31,9 +32,9 @@ from scripts.bench_real import Workload
 from scripts.host import describe
 
 
-def sequences(engine: Engine, work: Workload) -> tuple[list[list[int]], list[int]]:
-    """The GRPO batch's prompt + response sequences and each one's prompt length."""
-    outs = engine.generate(work.prompts(engine), work.params)
+def sequences(engine: Engine, work: Workload, n: int) -> tuple[list[list[int]], list[int]]:
+    """The GRPO batch's prompt + response sequences (`n` per prompt) and each one's prompt length."""
+    outs = engine.generate(work.prompts(engine), replace(work.params, n=n))
     seqs = [o.prompt_token_ids + s.token_ids for o in outs for s in o.samples]
     starts = [len(o.prompt_token_ids) for o in outs for _ in o.samples]
     return seqs, starts
@@ -68,12 +69,12 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run(rounds: int, hf_batch: int) -> dict:
+def run(rounds: int, hf_batch: int, n: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     work = Workload()
     engine = Engine(work.path, device="cpu")
-    seqs, starts = sequences(engine, work)
+    seqs, starts = sequences(engine, work, n)
     tokens = sum(map(len, seqs))
     hf = AutoModelForCausalLM.from_pretrained(str(work.path), dtype=torch.float32).eval()
     prefill = SamplingParams(max_tokens=1, temperature=0)
@@ -103,9 +104,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hf-batch", type=int, default=8)
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt (8: the GRPO batch's 128 rows)")
     args = parser.parse_args()
     print(describe(), flush=True)
-    r = run(args.rounds, args.hf_batch)
+    r = run(args.rounds, args.hf_batch, args.n)
     medians = {name: statistics.median(v) for name, v in r["rates"].items()}
     hf, pre = medians["transformers forward"], medians["engine prefill (max_tokens=1)"]
     for name, rates in r["rates"].items():
