@@ -203,6 +203,12 @@ def _serve_parser(sub) -> None:
     )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--access-log", action="store_true", help="log every request")
+    s.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "hermes", "llama3_json", "mistral", "none"],
+        help="how tool calls are read from chat output (default: auto, from the chat template)",
+    )
     _engine_flags(s)
 
 

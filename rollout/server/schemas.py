@@ -12,6 +12,7 @@ and refused otherwise (`unsupported`). Responses are plain dicts built in
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -112,7 +113,31 @@ class ChatMessage(BaseModel):
             message["content"] = "\n".join(part.text for part in self.content)
         elif self.content is not None:
             message["content"] = self.content
+        if "tool_calls" in message:
+            message["tool_calls"] = template_tool_calls(message["tool_calls"], index)
         return message
+
+
+def template_tool_calls(calls, index: int) -> list:
+    """An assistant message's `tool_calls` as templates read them: each call's
+    `function.arguments`, a JSON string in OpenAI's API, parsed into the object
+    that templates write back out (`| tojson`), as vLLM hands them over."""
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{index}].tool_calls must be a list of calls")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"messages[{index}].tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name': str, 'arguments': str}}}}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise ValueError(f"{where}.function.arguments must be a JSON object, got {arguments!r}") from None
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
 
 
 class ChatRequest(CommonRequest):
@@ -136,8 +161,8 @@ class ChatRequest(CommonRequest):
             return "top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {self.top_logprobs}"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
-        if self.tool_choice not in (None, "auto"):
-            return "tool_choice", "tool_choice must be 'auto' or null: the model decides, nothing is forced"
+        if self.tool_choice not in (None, "auto", "none"):
+            return "tool_choice", "tool_choice must be 'auto', 'none' or null: no call can be forced (no constraint)"
         if self.response_format not in (None, {"type": "text"}):
             return "response_format", "response_format must be {'type': 'text'} or null (no constrained decoding)"
         return super().unsupported()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from ..engine.requests import check_request_tokens
 from ..sampling_params import SamplingParams
+from ..tool_calls import ToolParser, parser_for
 from .backend import Backend
 from .config import ServerConfig
 from .errors import APIError, from_engine
@@ -31,6 +32,7 @@ class Job:
     return_token_ids: bool  # prompt and completion token ids in the response
     prompt_field: str  # "prompt" or "messages": where prompt errors point
     tools: list | None = None  # chat: JSON schemas the template renders with the messages
+    tool_parser: ToolParser | None = None  # chat with tools: reads calls out of the output; None: text only
     work: int = 0  # prompts x n x (prompt tokens + max_tokens), once tokenized: what it holds in flight
 
 
@@ -56,7 +58,11 @@ def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
     top = req.top_logprobs or 0
     params = _sampling_params(req, config.max_tokens if asked is None else asked, "messages", top)
     job = _job(req, True, [messages], params, req.logprobs, "messages")
-    return replace(job, tools=req.tools)  # the backend renders them with the messages (off the event loop)
+    if not req.tools or req.tool_choice == "none":  # "none": the template is not told of tools
+        return job
+    codec = backend.codec
+    parser = parser_for(config.tool_call_parser, codec.chat.templates if codec and codec.chat else None)
+    return replace(job, tools=req.tools, tool_parser=parser)  # the backend renders tools (off the event loop)
 
 
 def _job(req: CommonRequest, chat: bool, prompts: list, params: SamplingParams, logprobs: bool, field: str) -> Job:
