@@ -133,6 +133,10 @@ def generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         seed=args.seed,
         logprobs_mode=args.logprobs_mode,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=logit_bias(args.logit_bias),
     )
     engine = Engine(
         args.model,
@@ -160,6 +164,18 @@ def generate(args: argparse.Namespace) -> int:
             bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} tokens/s", refresh=False)
             bar.update()
     return 0
+
+
+def logit_bias(items: list[str] | None) -> dict[int, float] | None:
+    """`--logit-bias TOKEN=BIAS` options as a dict; `ValueError` naming a malformed one."""
+    out = {}
+    for item in items or ():
+        token, _, bias = item.partition("=")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise ValueError(f"--logit-bias takes TOKEN=BIAS (an int and a number), got {item!r}") from None
+    return out or None
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -230,6 +246,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="processed")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], per earlier occurrence")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], once a token occurred")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="in (0, 2], on prompt and output tokens")
+    g.add_argument("--logit-bias", action="append", metavar="TOKEN=BIAS", help="add BIAS to a token id's logit")
     _engine_flags(g)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     _serve_parser(sub)

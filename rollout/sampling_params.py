@@ -47,6 +47,11 @@ class SamplingParams:
     seed: int | None = None  # per-request seed: same tokens whatever else is batched
     logprobs_mode: str = "processed"  # "processed" | "raw" | "scaled" (see `LOGPROBS_MODES`)
     top_logprobs: int = 0  # per token, this many most likely alternatives and their logprobs; 0 = off
+    # Penalties and biases as vLLM defines them (rollout/engine/penalties.py), before temperature:
+    frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the token's count in the output so far
+    presence_penalty: float = 0.0  # in [-2, 2]: minus this for a token already in the output
+    repetition_penalty: float = 1.0  # in (0, 2]: a token in the prompt or output has its logit divided (>0) or times
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, each in [-100, 100]
 
     def __post_init__(self) -> None:
         self.n = check_int("n", self.n, 1)
@@ -65,6 +70,30 @@ class SamplingParams:
         self.top_logprobs = check_int("top_logprobs", self.top_logprobs, 0, f"and <= {MAX_TOP_LOGPROBS} (0 = off)")
         if self.top_logprobs > MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = check_number(name, getattr(self, name), "in [-2, 2]")
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+            setattr(self, name, float(value))
+        r = check_number("repetition_penalty", self.repetition_penalty, "in (0, 2]")
+        if not 0 < r <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1 = off), got {r!r}")
+        self.repetition_penalty = float(r)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias or None, got {self.logit_bias!r}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+                b = check_number(f"logit_bias[{token}]", value, "in [-100, 100]")
+                if not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {b!r}")
+                bias[int(token)] = float(b)
+            self.logit_bias = bias or None
 
     def _check_distribution(self) -> None:
         """temperature, top_k, top_p and min_p, each in a range the step's buffers hold

@@ -22,6 +22,7 @@ from ..kernels.layer_ops import LayerOps
 from ..model.attention import AttentionMetadata, PrefillSpan
 from ..model.decoder import Model
 from .decode_graphs import DecodeGraphs, GraphKey
+from .penalties import StepPenalties, has_penalties
 from .plan import ScheduledChunk, StepPlan, StepResult, TopLogprobs
 from .sampler import MODE_CODES, SAMPLING_FIELDS, SamplerFlags, SamplingBatch, sample, top_logprobs
 from .sequence import Sequence
@@ -77,6 +78,7 @@ class Stepper:
         self._sampled: SampledRows | None = None  # the last forward's logits, for `_resample_uncovered`
         self._graph_sampled: dict[GraphKey, SampledRows] = {}  # the same, per decode graph (its static tensors)
         self._flags = SamplerFlags(False, False, False)  # of the batch whose inputs the workspace holds
+        self._penalized: list[Sequence] | None = None  # this step's rows when some have penalties
         self._top: list[int] | None = None  # its rows' top_logprobs counts, when some row asks
         self.graphs = None
         if decode_graphs != "off":
@@ -111,8 +113,9 @@ class Stepper:
             num_logits = self._upload_general(plan.chunks)
             self._read_batch(samplers)
         meta = self._attention_metadata(plan.chunks)
-        graph = None
-        if self.graphs is not None and signature is not None and self._top is None:  # a graph keeps no logits
+        self._penalized = samplers if any(has_penalties(s.request.params) for s in samplers) else None
+        graph = None  # a graph keeps no logits, nor penalties (their histories change every step)
+        if self.graphs is not None and signature is not None and self._top is None and self._penalized is None:
             graph = self.graphs.key(num_rows, meta.decode_block_tables.shape[1], self._flags)
         return PreparedStep(meta, num_rows, num_logits, self._flags, signature, graph, self._top)
 
@@ -181,11 +184,17 @@ class Stepper:
             logits = logits.index_select(0, ws.view("sample_rows", num_rows))
         batch = self._sampling_batch(num_rows, flags)
         tokens, logprobs = ws.view("out_tokens", num_rows), ws.view("out_logprobs", num_rows)
+        model_logits, penalties = logits, None
+        if self._penalized is not None:  # never under a graph's capture (see `_prepare`)
+            penalties = StepPenalties.of(self._penalized, logits.shape[-1], logits.device)
+            logits = penalties.apply(logits)
         if self.device_sample is not None:
             self.device_sample(logits, batch, tokens, logprobs, ws.view("out_covered", num_rows))
             self._sampled = SampledRows(logits, batch)
         else:
             sample(logits, batch, tokens, logprobs, self.sample_kernel)
+        if penalties is not None:
+            penalties.raw_logprobs(model_logits, tokens, logprobs)
         if top is None:
             return None
         rows = [r for r, k in enumerate(top) if k]

@@ -6,8 +6,8 @@ them (`extra="forbid"`), since silently ignoring one would change what the
 client gets; the few ignored ones (`user`, `metadata`, `store`,
 `service_tier`, `parallel_tool_calls`) change nothing a client could see
 from a single model. OpenAI fields whose only supported value is their
-default (penalties, `logit_bias`, `echo`, ...) are accepted at that value
-and refused otherwise (`unsupported`). Responses are plain dicts built in
+default (`echo`, `best_of`, ...) are accepted at that value and refused
+otherwise (`unsupported`). Responses are plain dicts built in
 `responses.py`: a chunk is serialised per token, and a dict is the cheapest."""
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class CommonRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False  # prompt and completion token ids in the response
     logprobs_mode: str | None = None  # the engine's: "processed" (default), "raw" or "scaled"
-    # OpenAI fields accepted only at their no-op values.
+    repetition_penalty: float | None = None  # (0, 2], 1 or None: off
+    # Penalties and biases (`SamplingParams`); logit_bias keys are token ids as strings, as OpenAI's.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -56,11 +57,9 @@ class CommonRequest(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) of the first field set to a value this server cannot honour."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0):
-                return name, f"{name} is not supported (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        for key in self.logit_bias or ():
+            if not key.isdigit():
+                return "logit_bias", f"logit_bias keys must be token ids (digit strings), got {key!r}"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream=true"
         return None

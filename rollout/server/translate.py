@@ -117,6 +117,10 @@ def _sampling_params(req: CommonRequest, max_tokens: int, prompt_field: str, top
             seed=req.seed,
             logprobs_mode=req.logprobs_mode or "processed",
             top_logprobs=top_logprobs,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         )
     except (ValueError, TypeError) as e:
         raise from_engine(e, prompt_field) from None
