@@ -101,20 +101,15 @@ class StepPenalties:
             torch.tensor([q.logprobs_mode == "raw" for q in params], device=device),
         )
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The step's logits `[N, V]` with the penalised rows penalised (a new tensor)."""
+    def apply(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the step's logits `[N, V]` with the penalised rows penalised, to sample
+        from; the same with the rows that report "raw" logprobs left as the model's,
+        to report logprobs in): new tensors."""
         rows = logits.index_select(0, self.rows)
         args = (self.counts, self.prompt_seen, self.frequency, self.presence, self.repetition, self.bias)
-        return logits.index_copy(0, self.rows, penalize(rows, *args))
-
-    def raw_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Set the logprobs of the rows that report "raw" to the model's own (unpenalised) `logits`."""
-        rows = self.rows[self.raw]
-        if rows.numel() == 0:
-            return
-        picked = logits.index_select(0, rows)
-        lp = torch.log_softmax(picked, dim=-1).gather(1, tokens.index_select(0, rows)[:, None]).squeeze(1)
-        logprobs.index_copy_(0, rows, lp)
+        penalised = penalize(rows, *args)
+        reported = torch.where(self.raw[:, None], rows, penalised)
+        return logits.index_copy(0, self.rows, penalised), logits.index_copy(0, self.rows, reported)
 
 
 def has_penalties(params: SamplingParams) -> bool:

@@ -79,6 +79,7 @@ class Stepper:
         self._graph_sampled: dict[GraphKey, SampledRows] = {}  # the same, per decode graph (its static tensors)
         self._flags = SamplerFlags(False, False, False)  # of the batch whose inputs the workspace holds
         self._penalized: list[Sequence] | None = None  # this step's rows when some have penalties
+        self._reported: torch.Tensor | None = None  # with penalties: the logits each row's logprobs are reported in
         self._top: list[int] | None = None  # its rows' top_logprobs counts, when some row asks
         self.graphs = None
         if decode_graphs != "off":
@@ -145,6 +146,8 @@ class Stepper:
         n = prepared.num_rows
         if self.device_sample is not None and prepared.flags.any_filter:
             self._resample_uncovered(n)
+        if self._reported is not None:  # rows reporting "raw" logprobs: the model's, unpenalised
+            self._fix_raw(n)
         result = StepResult(
             self.ws.view("out_tokens", n).tolist(), self.ws.view("out_logprobs", n).tolist(), plan.version, top
         )
@@ -184,22 +187,21 @@ class Stepper:
             logits = logits.index_select(0, ws.view("sample_rows", num_rows))
         batch = self._sampling_batch(num_rows, flags)
         tokens, logprobs = ws.view("out_tokens", num_rows), ws.view("out_logprobs", num_rows)
-        model_logits, penalties = logits, None
+        self._reported = None
         if self._penalized is not None:  # never under a graph's capture (see `_prepare`)
             penalties = StepPenalties.of(self._penalized, logits.shape[-1], logits.device)
-            logits = penalties.apply(logits)
+            logits, self._reported = penalties.apply(logits)
         if self.device_sample is not None:
             self.device_sample(logits, batch, tokens, logprobs, ws.view("out_covered", num_rows))
             self._sampled = SampledRows(logits, batch)
         else:
             sample(logits, batch, tokens, logprobs, self.sample_kernel)
-        if penalties is not None:
-            penalties.raw_logprobs(model_logits, tokens, logprobs)
         if top is None:
             return None
         rows = [r for r, k in enumerate(top) if k]
         index = torch.tensor(rows, device=logits.device)
-        ids, values = top_logprobs(logits.index_select(0, index), batch.rows(index), max(top))
+        reported = logits if self._reported is None else self._reported
+        ids, values = top_logprobs(reported.index_select(0, index), batch.rows(index), max(top))
         out: TopLogprobs = [None] * num_rows
         for r, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
             out[r] = tuple(zip(row_ids[: top[r]], row_values[: top[r]], strict=True))
@@ -235,6 +237,12 @@ class Stepper:
         sample(logits.index_select(0, uncovered), batch.rows(uncovered), sub_tokens, sub_logprobs)
         tokens.index_copy_(0, uncovered, sub_tokens)
         logprobs.index_copy_(0, uncovered, sub_logprobs)
+
+    def _fix_raw(self, n: int) -> None:
+        tokens, logprobs = self.ws.view("out_tokens", n), self.ws.view("out_logprobs", n)
+        raw = self.ws.view("mode", n) == MODE_CODES["raw"]
+        lp = torch.log_softmax(self._reported, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        logprobs.copy_(torch.where(raw, lp, logprobs))
 
     # -- host-built inputs ---------------------------------------------------------------
     def _decode_rows(self, chunks: list[ScheduledChunk]) -> DecodeRows:

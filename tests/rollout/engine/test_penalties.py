@@ -57,18 +57,20 @@ def test_penalize_is_the_definition():
 
 
 def recompute(hf64, prompt: list[int], tokens: list[int], p: SamplingParams) -> tuple[list[float], list[int]]:
-    """Per output token, its logprob in `p.logprobs_mode` and the greedy choice, in float64."""
+    """Per output token, in float64: its logprob in `p.logprobs_mode`, the greedy
+    choice, and the log-distribution the logprob is of."""
     with torch.no_grad():
         logits = hf64(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-    lps, greedy = [], []
+    lps, greedy, dists = [], [], []
     for t, row in enumerate(logits.tolist()):
         penalised = reference(row, prompt, tokens[:t], p)
         x = torch.tensor(row if p.logprobs_mode == "raw" else penalised, dtype=torch.float64)
         if p.temperature > 0 and p.logprobs_mode != "raw":
             x = x / p.temperature
-        lps.append(float(torch.log_softmax(x, -1)[tokens[t]]))
+        dists.append(torch.log_softmax(x, -1))
+        lps.append(float(dists[-1][tokens[t]]))
         greedy.append(int(torch.tensor(penalised).argmax()))
-    return lps, greedy
+    return lps, greedy, dists
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,14 @@ def hf64(qwen2):
 def test_engine_logprobs_are_the_penalised_distributions(qwen2, hf64, options, temperature, mode):
     engine = make_engine(qwen2.path, **options)
     params = SamplingParams(
-        n=2, max_tokens=14, temperature=temperature, seed=5, ignore_eos=True, logprobs_mode=mode, **PENALTIES
+        n=2,
+        max_tokens=14,
+        temperature=temperature,
+        seed=5,
+        ignore_eos=True,
+        logprobs_mode=mode,
+        top_logprobs=2,
+        **PENALTIES,
     )
     try:
         (out,) = engine.generate([PROMPT], params)
@@ -92,8 +101,12 @@ def test_engine_logprobs_are_the_penalised_distributions(qwen2, hf64, options, t
     finally:
         engine.close()
     for s in out.samples:
-        lps, greedy = recompute(hf64, PROMPT, s.token_ids, params)
+        lps, greedy, dists = recompute(hf64, PROMPT, s.token_ids, params)
         assert max(abs(a - b) for a, b in zip(s.logprobs, lps, strict=True)) < 1e-4
+        for top, dist in zip(s.top_logprobs, dists, strict=True):  # the same distribution's best two
+            values, ids = dist.topk(2)
+            assert [i for i, _ in top] == ids.tolist()
+            assert max(abs(v - w) for (_, v), w in zip(top, values.tolist(), strict=True)) < 1e-4
         if temperature == 0:
             assert s.token_ids == greedy and s.token_ids != plain.samples[0].token_ids  # the penalties acted
 
