@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -57,13 +58,14 @@ class ScriptedStream:
 
 
 class ScriptedBackend:
-    """Renders and tokenizes prompts as a real backend does; answers each with `script`."""
+    """Renders and tokenizes prompts as a real backend does; answers each with
+    `script`, or `script(prompt text)` when it is a function."""
 
     max_seq_len, max_batch_size = 4096, 4
 
     def __init__(self, codec: TextCodec) -> None:
         self.codec = codec
-        self.script = ""
+        self.script: str | Callable[[str], str] = ""
         self.prompts: list[list[int]] = []  # every prompt's token ids, as rendered
 
     def prompt_ids(self, prompt, field: str, tools: list | None = None) -> list[int]:
@@ -73,9 +75,10 @@ class ScriptedBackend:
         return ids
 
     def stream(self, prompt, params) -> ScriptedStream:
-        ids = self.codec.encode(self.script, add_special_tokens=False)
-        assert self.codec.decode(ids) == self.script
-        return ScriptedStream(prompt, ids, self.script)
+        text = self.script(self.codec.decode(prompt)) if callable(self.script) else self.script
+        ids = self.codec.encode(text, add_special_tokens=False)
+        assert self.codec.decode(ids) == text
+        return ScriptedStream(prompt, ids, text)
 
     def policy_version(self) -> int:
         return 0
@@ -206,3 +209,44 @@ def test_a_malformed_history_call_is_a_400_naming_it(client):
     history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [bad]}]
     with pytest.raises(openai.BadRequestError, match=r"messages\[1\].tool_calls\[0\].function.arguments"):
         client.chat.completions.create(model="qwen-style", messages=history, tools=TOOLS)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_an_openai_agents_sdk_agent_runs_its_tool_loop(scripted, streamed):
+    """The openai-agents SDK's chat-completions model over our server: the agent
+    calls the tool, the SDK runs it and sends its result back, the model answers."""
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    seen = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"clear in {city}"
+
+    def model(prompt: str) -> str:  # the tool's result in the prompt: answer with it, else call the tool
+        if "<tool_response>\nclear in Paris\n</tool_response>" in prompt:
+            return "It is clear in Paris."
+        return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+    scripted[0].script = model
+    client = AsyncOpenAI(base_url=scripted[1].url + "/v1", api_key="none", max_retries=0)
+    agent = Agent(
+        name="weather",
+        instructions="Answer with the weather.",
+        tools=[get_weather],
+        model=OpenAIChatCompletionsModel(model="qwen-style", openai_client=client),
+    )
+
+    async def run():
+        if not streamed:
+            return (await Runner.run(agent, "Weather in Paris?", max_turns=3)).final_output
+        result = Runner.run_streamed(agent, "Weather in Paris?", max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result.final_output
+
+    assert asyncio.run(run()) == "It is clear in Paris." and seen == ["Paris"]
