@@ -55,6 +55,7 @@ class ToolParser:
 
     name = ""
     start = ""
+    leading = False  # calls may only open the text: once text has gone out, none can follow
 
     def parse(self, text: str) -> ParsedText:
         at = self.call_start(text)
@@ -65,17 +66,20 @@ class ToolParser:
             return ParsedText(text, ())
         return ParsedText(text[:at].rstrip() or None, calls)
 
-    def call_start(self, text: str) -> int | None:
-        """Where the first call begins in `text`, or None."""
-        at = text.find(self.start)
+    def call_start(self, text: str, since: int = 0) -> int | None:
+        """Where the first call begins in `text`, or None; `text[:since]` is known
+        to hold no whole marker (a stream searches only what is new)."""
+        at = text.find(self.start, max(0, since - len(self.start) + 1))
         return at if at >= 0 else None
 
     def may_start(self, text: str) -> int:
         """How many trailing characters of `text` (no call found in it) must be
         held back, as a call's marker may be completing there."""
-        for k in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-k:]):
-                return k
+        at = text.find(self.start[0], max(0, len(text) - len(self.start) + 1))
+        while at >= 0:  # the earliest place in the tail where the marker may be starting
+            if self.start.startswith(text[at:]):
+                return len(text) - at
+            at = text.find(self.start[0], at + 1)
         return 0
 
     def read_calls(self, text: str) -> tuple[ToolCall, ...]:
@@ -96,9 +100,9 @@ class HermesParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     """Calls are the whole message: JSON objects separated by `;`, maybe after `<|python_tag|>`."""
 
-    name, start = "llama3_json", "<|python_tag|>"
+    name, start, leading = "llama3_json", "<|python_tag|>", True
 
-    def call_start(self, text: str) -> int | None:
+    def call_start(self, text: str, since: int = 0) -> int | None:
         stripped = len(text) - len(text.lstrip())
         if text.startswith(self.start, stripped) or text.startswith("{", stripped):
             return stripped
@@ -185,10 +189,14 @@ class ToolCallStream:
         self.in_call = False  # a call has begun: nothing more is released until the end
 
     def feed(self, text: str) -> str:
+        searched = len(self.text)
         self.text += text
         if self.in_call or not text:
             return ""
-        at = self.parser.call_start(self.text)
+        if self.parser.leading and self.sent:  # text went out already: no call can follow
+            out, self.sent = self.text[self.sent :], len(self.text)
+            return out
+        at = self.parser.call_start(self.text, searched)
         if at is not None:
             self.in_call = True
             end = at
