@@ -140,6 +140,10 @@ def generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         logprobs_mode=args.logprobs_mode,
         return_routed_experts=args.return_routed_experts,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=logit_bias(args.logit_bias),
     )
     engine = Engine(
         args.model,
@@ -167,6 +171,18 @@ def generate(args: argparse.Namespace) -> int:
             bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} tokens/s", refresh=False)
             bar.update()
     return 0
+
+
+def logit_bias(items: list[str] | None) -> dict[int, float] | None:
+    """`--logit-bias TOKEN=BIAS` options as a dict; `ValueError` naming a malformed one."""
+    out = {}
+    for item in items or ():
+        token, _, bias = item.partition("=")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise ValueError(f"--logit-bias takes TOKEN=BIAS (an int and a number), got {item!r}") from None
+    return out or None
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -210,6 +226,12 @@ def _serve_parser(sub) -> None:
     )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--access-log", action="store_true", help="log every request")
+    s.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "hermes", "llama3_json", "mistral", "none"],
+        help="how tool calls are read from chat output (default: auto, from the chat template)",
+    )
     _engine_flags(s)
 
 
@@ -234,6 +256,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--return-routed-experts", action="store_true", help="each position's experts (mixture-of-experts models)"
     )
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], per earlier occurrence")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], once a token occurred")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="in (0, 2], on prompt and output tokens")
+    g.add_argument("--logit-bias", action="append", metavar="TOKEN=BIAS", help="add BIAS to a token id's logit")
     _engine_flags(g)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     _serve_parser(sub)

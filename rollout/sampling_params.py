@@ -53,6 +53,11 @@ class SamplingParams:
     # The prompt tokens' logprobs under these settings' distribution (as vLLM's field): None = off,
     # 0 = each prompt token's own, k > 0 = also the k most likely alternatives per position.
     prompt_logprobs: int | None = None
+    # Penalties and biases as vLLM defines them (rollout/engine/penalties.py), before temperature:
+    frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the token's count in the output so far
+    presence_penalty: float = 0.0  # in [-2, 2]: minus this for a token already in the output
+    repetition_penalty: float = 1.0  # in (0, 2]: a token in the prompt or output has its logit divided (>0) or times
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, each in [-100, 100]
 
     def __post_init__(self) -> None:
         self.n = check_int("n", self.n, 1)
@@ -80,6 +85,30 @@ class SamplingParams:
                 raise ValueError(
                     f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or None, got {self.prompt_logprobs}"
                 )
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = check_number(name, getattr(self, name), "in [-2, 2]")
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+            setattr(self, name, float(value))
+        r = check_number("repetition_penalty", self.repetition_penalty, "in (0, 2]")
+        if not 0 < r <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1 = off), got {r!r}")
+        self.repetition_penalty = float(r)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias or None, got {self.logit_bias!r}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+                b = check_number(f"logit_bias[{token}]", value, "in [-100, 100]")
+                if not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {b!r}")
+                bias[int(token)] = float(b)
+            self.logit_bias = bias or None
 
     def _check_distribution(self) -> None:
         """temperature, top_k, top_p and min_p, each in a range the step's buffers hold

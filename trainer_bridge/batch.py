@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from rollout import RolloutOutput, Sample, SamplingParams
+from rollout.engine.penalties import has_penalties
 from rollout.engine.sampler import MODE_CODES
 from rollout.episodes import Episode
 
@@ -56,6 +57,11 @@ class RolloutBatch:
     teacher_logprobs: torch.Tensor | None = None
     teacher_top_ids: torch.Tensor | None = None
     teacher_top_logprobs: torch.Tensor | None = None
+    # Penalties and biases (rollout/engine/penalties.py), [B] float32 each; None when no row has any.
+    frequency_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    logit_bias: list = field(default_factory=list)  # per row {token id: bias} or None; empty without penalties
 
     @classmethod
     def from_outputs(
@@ -131,6 +137,11 @@ class RolloutBatch:
         if not episodes:
             raise ValueError("no episodes to batch")
         params = _one_distribution(params)
+        if has_penalties(params):
+            raise ValueError(
+                "params has penalties or logit_bias: an episode's later turns count earlier turns as prompt, "
+                "which its one row cannot tell apart, so multi-turn batches take none"
+            )
         if group_size < 1 or len(episodes) % group_size:
             raise ValueError(f"group_size must divide the {len(episodes)} episodes, got {group_size}")
         outputs = []
@@ -194,7 +205,8 @@ class RolloutBatch:
         picked = {
             f.name: getattr(self, f.name)[idx] for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)
         }
-        lists = {name: [getattr(self, name)[i] for i in idx.tolist()] for name in ("finish_reasons", "texts")}
+        names = ("finish_reasons", "texts", "logit_bias") if self.logit_bias else ("finish_reasons", "texts")
+        lists = {name: [getattr(self, name)[i] for i in idx.tolist()] for name in names}
         return replace(self, **picked, **lists)
 
 
@@ -249,4 +261,13 @@ def _distribution_columns(params: list[SamplingParams]) -> dict[str, torch.Tenso
         "top_p": torch.tensor([float(p.top_p) for p in params], dtype=torch.float32),
         "min_p": torch.tensor([float(p.min_p) for p in params], dtype=torch.float32),
         "logprobs_mode": torch.tensor([MODE_CODES[p.logprobs_mode] for p in params], dtype=torch.int64),
+        **_penalty_columns(params),
     }
+
+
+def _penalty_columns(params: list[SamplingParams]) -> dict:
+    if not any(has_penalties(p) for p in params):
+        return {}
+    names = ("frequency_penalty", "presence_penalty", "repetition_penalty")
+    columns = {name: torch.tensor([getattr(p, name) for p in params], dtype=torch.float32) for name in names}
+    return {**columns, "logit_bias": [p.logit_bias for p in params]}

@@ -9,6 +9,7 @@ import torch
 from rollout.engine.sampler import SamplingBatch, logprobs_of
 
 from .batch import RolloutBatch
+from .penalties import penalized_logits
 from .routing_replay import routing_replay
 
 
@@ -20,7 +21,8 @@ def token_logprobs(
     float32 with each row's temperature, filters and `logprobs_mode`; 0 on
     padding. A response token always counts as kept by the filters, so one
     that `model`'s logits put just past a top-p, min-p or top-k edge scores
-    finite, never -inf (see `logprobs_of`). Differentiable; also sets
+    finite, never -inf (see `logprobs_of`). Penalties and `logit_bias` are
+    applied from each token's history as the engine applied them. Differentiable; also sets
     `batch.mismatch` against the rollout's logprobs. `chunk_rows` bounds the
     `[tokens, vocab]` working set. `replay_routing=True` (mixture-of-experts models,
     a batch of rollouts that returned their routed experts): the forward uses the
@@ -43,7 +45,8 @@ def token_logprobs(
     values = []
     for start in range(0, rows.numel(), chunk_rows):
         rr, cc = rows[start : start + chunk_rows], cols[start : start + chunk_rows]
-        values.append(logprobs_of(logits[rr, cc], batch.response_ids[rr, cc], _sampling(batch, rr)))
+        chunk = penalized_logits(logits[rr, cc], batch, rr, cc)  # the engine's penalties, from the history
+        values.append(logprobs_of(chunk, batch.response_ids[rr, cc], _sampling(batch, rr)))
     out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
     if values:
         out = out.index_put((rows, cols), torch.cat(values))

@@ -206,6 +206,9 @@ def _check_params(params: SamplingParams, limits: PromptLimits, codec: TextCodec
     for t in params.stop_token_ids or ():
         if t >= limits.vocab_size:
             raise ValueError(f"stop_token_ids has {t}, outside the vocabulary [0, {limits.vocab_size})")
+    for t in params.logit_bias or ():
+        if t >= limits.vocab_size:
+            raise ValueError(f"logit_bias has token {t}, outside the vocabulary [0, {limits.vocab_size})")
     if params.stop and codec is None:
         raise ValueError("stop strings need a tokenizer, and the checkpoint has no tokenizer.json")
     if params.return_routed_experts and not limits.num_moe_layers:

@@ -22,6 +22,7 @@ from ..kernels.layer_ops import LayerOps
 from ..model.attention import AttentionMetadata, PrefillSpan
 from ..model.decoder import Model
 from .decode_graphs import DecodeGraphs, GraphKey
+from .penalties import StepPenalties, has_penalties
 from .plan import ScheduledChunk, StepPlan, StepResult, TopLogprobs
 from .sampler import MODE_CODES, SAMPLING_FIELDS, SamplerFlags, SamplingBatch, sample, top_logprobs
 from .scoring import ScoreSpan, SpanScores, compute_scores, score_spans
@@ -86,6 +87,8 @@ class Stepper:
         self._sampled: SampledRows | None = None  # the last forward's logits, for `_resample_uncovered`
         self._graph_sampled: dict[GraphKey, SampledRows] = {}  # the same, per decode graph (its static tensors)
         self._flags = SamplerFlags(False, False, False)  # of the batch whose inputs the workspace holds
+        self._penalized: list[Sequence] | None = None  # this step's rows when some have penalties
+        self._reported: torch.Tensor | None = None  # with penalties: the logits each row's logprobs are reported in
         self._top: list[int] | None = None  # its rows' top_logprobs counts, when some row asks
         self.graphs = None
         if decode_graphs != "off":
@@ -121,8 +124,9 @@ class Stepper:
             self._read_batch(samplers)
             spans = score_spans(plan.chunks)
         meta = self._attention_metadata(plan.chunks)
-        graph = None
-        if self.graphs is not None and signature is not None and self._top is None:  # a graph keeps no logits
+        self._penalized = samplers if any(has_penalties(s.request.params) for s in samplers) else None
+        graph = None  # a graph keeps no logits, nor penalties (their histories change every step)
+        if self.graphs is not None and signature is not None and self._top is None and self._penalized is None:
             graph = self.graphs.key(num_rows, meta.decode_block_tables.shape[1], self._flags)
         return PreparedStep(meta, num_rows, num_logits, self._flags, signature, graph, self._top, spans)
 
@@ -154,6 +158,8 @@ class Stepper:
         n = prepared.num_rows
         if self.device_sample is not None and prepared.flags.any_filter:
             self._resample_uncovered(n)
+        if self._reported is not None:  # rows reporting "raw" logprobs: the model's, unpenalised
+            self._fix_raw(n)
         result = StepResult(
             self.ws.view("out_tokens", n).tolist(), self.ws.view("out_logprobs", n).tolist(), plan.version, top, scores
         )
@@ -201,6 +207,10 @@ class Stepper:
             logits = logits.index_select(0, ws.view("sample_rows", num_rows))
         batch = self._sampling_batch(num_rows, flags)
         tokens, logprobs = ws.view("out_tokens", num_rows), ws.view("out_logprobs", num_rows)
+        self._reported = None
+        if self._penalized is not None:  # never under a graph's capture (see `_prepare`)
+            penalties = StepPenalties.of(self._penalized, logits.shape[-1], logits.device)
+            logits, self._reported = penalties.apply(logits)
         if self.device_sample is not None:
             self.device_sample(logits, batch, tokens, logprobs, ws.view("out_covered", num_rows))
             self._sampled = SampledRows(logits, batch)
@@ -210,7 +220,8 @@ class Stepper:
             return RowExtras(None, scores)
         rows = [r for r, k in enumerate(top) if k]
         index = torch.tensor(rows, device=logits.device)
-        ids, values = top_logprobs(logits.index_select(0, index), batch.rows(index), max(top))
+        reported = logits if self._reported is None else self._reported
+        ids, values = top_logprobs(reported.index_select(0, index), batch.rows(index), max(top))
         out: TopLogprobs = [None] * num_rows
         for r, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
             out[r] = tuple(zip(row_ids[: top[r]], row_values[: top[r]], strict=True))
@@ -246,6 +257,12 @@ class Stepper:
         sample(logits.index_select(0, uncovered), batch.rows(uncovered), sub_tokens, sub_logprobs)
         tokens.index_copy_(0, uncovered, sub_tokens)
         logprobs.index_copy_(0, uncovered, sub_logprobs)
+
+    def _fix_raw(self, n: int) -> None:
+        tokens, logprobs = self.ws.view("out_tokens", n), self.ws.view("out_logprobs", n)
+        raw = self.ws.view("mode", n) == MODE_CODES["raw"]
+        lp = torch.log_softmax(self._reported, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        logprobs.copy_(torch.where(raw, lp, logprobs))
 
     # -- host-built inputs ---------------------------------------------------------------
     def _decode_rows(self, chunks: list[ScheduledChunk]) -> DecodeRows:

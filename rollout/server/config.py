@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..checks import check_int
+from ..tool_calls import PARSER_NAMES
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 # A request's work is its prompts x n x (prompt tokens + max_tokens). The
@@ -39,6 +40,7 @@ class ServerConfig:
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS  # one request's prompts x n x (prompt + max_tokens)
     max_inflight_tokens: int = DEFAULT_MAX_INFLIGHT_TOKENS  # the same, summed over requests not yet answered
     max_inflight_requests: int = DEFAULT_MAX_INFLIGHT_REQUESTS  # requests admitted and not yet answered
+    tool_call_parser: str = "auto"  # rollout.tool_calls.PARSER_NAMES: how chat output's tool calls are read
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -52,6 +54,9 @@ class ServerConfig:
             "max_inflight_tokens", self.max_inflight_tokens, self.max_request_tokens, "(at least max_request_tokens)"
         )
         check_int("max_inflight_requests", self.max_inflight_requests, 1)
+        if self.tool_call_parser not in PARSER_NAMES:
+            allowed = ", ".join(PARSER_NAMES)
+            raise ValueError(f"tool_call_parser must be one of {allowed}, got {self.tool_call_parser!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
         if not isinstance(self.allow_no_key, bool):

@@ -34,6 +34,10 @@ _ENGINE_FIELDS = {
     "seed": "seed",
     "tools": "tools",
     "logprobs_mode": "logprobs_mode",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
 }
 
 

@@ -16,17 +16,20 @@ from collections.abc import AsyncIterator
 from ..engine.errors import UnavailableError
 from ..engine.streams import SampleDelta, TokenStream
 from ..outputs import RolloutOutput
+from ..tool_calls import ToolCallStream
 from .errors import internal_error, unavailable
 from .generation import cancel, items
 from .metrics import Metrics
 from .responses import Reply
 from .streaming import SSE_DONE, SampleText, sse
+from .tool_output import call_chunks, finished
 
 
 async def events(reply: Reply, streams: list[TokenStream], metrics: Metrics) -> AsyncIterator[bytes]:
     job, n = reply.job, reply.job.params.n
     decode = reply.codec.decode if reply.codec is not None else None
     texts = [SampleText(decode, job.params.stop) for _ in range(len(streams) * n)]
+    calls = [ToolCallStream(job.tool_parser) for _ in texts] if job.tool_parser is not None else None
     outputs: list[RolloutOutput | None] = [None] * len(streams)
     try:
         if reply.chat:
@@ -38,6 +41,9 @@ async def events(reply: Reply, streams: list[TokenStream], metrics: Metrics) -> 
                 last = item.finish_reason is not None
                 sample = texts[c]
                 text = sample.restart(item.token_ids, last) if item.restarted else sample.add(item.token_ids, last)
+                if calls is not None:
+                    calls[c] = ToolCallStream(job.tool_parser) if item.restarted else calls[c]
+                    text = calls[c].feed(text)
                 chunk = reply.chunk(
                     c,
                     text,
@@ -53,7 +59,16 @@ async def events(reply: Reply, streams: list[TokenStream], metrics: Metrics) -> 
                 outputs[p] = item
                 metrics.prompt_tokens += len(item.prompt_token_ids)
                 for k, s in enumerate(item.samples):
-                    yield sse(reply.last_chunk(p * n + k, texts[p * n + k].finish(s.text), s.finish_reason, item))
+                    c, reason = p * n + k, s.finish_reason
+                    rest = texts[c].finish(s.text)
+                    if calls is not None:
+                        rest, found = calls[c].finish(rest)
+                        if rest:
+                            yield sse(reply.chunk(c, rest))
+                        for chunk in call_chunks(reply, c, found):
+                            yield sse(chunk)
+                        rest, reason = "", finished(reason, found)
+                    yield sse(reply.last_chunk(c, rest, reason, item))
         if job.include_usage:
             yield sse(reply.usage_chunk(outputs))
     except UnavailableError as e:  # no actor came back, or a shutdown, while it waited: a 503's body

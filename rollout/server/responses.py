@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from ..outputs import RolloutOutput, encode_array
 from ..tokenizer import TextCodec
 from .echo import MIN_LOGPROB, echo_body, echo_choice
+from .tool_output import with_calls
 from .translate import Job
 
 
@@ -55,6 +56,8 @@ class Reply:
                     p * n + k, s.text or "", s.token_ids, s.logprobs, s.versions, "message", s.top_logprobs
                 )
                 c["finish_reason"] = s.finish_reason
+                if self.chat and self.job.tool_parser is not None:
+                    with_calls(c, s.text or "", s.finish_reason, self.job.tool_parser)
                 if self.job.return_token_ids and not self.chat:
                     c["prompt_token_ids"] = out.prompt_token_ids
                 if self.job.echo is not None and not self.chat:

@@ -77,6 +77,7 @@ def server_config(args: argparse.Namespace, backend: Backend, key: str | None) -
         max_request_tokens=max_request_tokens,
         max_inflight_tokens=4 * max_request_tokens if args.max_inflight_tokens is None else args.max_inflight_tokens,
         max_inflight_requests=inflight_requests,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -6,12 +6,13 @@ them (`extra="forbid"`), since silently ignoring one would change what the
 client gets; the few ignored ones (`user`, `metadata`, `store`,
 `service_tier`, `parallel_tool_calls`) change nothing a client could see
 from a single model. OpenAI fields whose only supported value is their
-default (penalties, `logit_bias`, chat's `echo`, ...) are accepted at that value
-and refused otherwise (`unsupported`). Responses are plain dicts built in
+default (chat's `echo`, `best_of`, ...) are accepted at that value and refused
+otherwise (`unsupported`). Responses are plain dicts built in
 `responses.py`: a chunk is serialised per token, and a dict is the cheapest."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,7 +49,8 @@ class CommonRequest(BaseModel):
     return_routed_experts: bool = False  # mixture-of-experts models: the experts each position went to
     logprobs_mode: str | None = None  # the engine's: "processed" (default), "raw" or "scaled"
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs and this many alternatives (vLLM's)
-    # OpenAI fields accepted only at their no-op values.
+    repetition_penalty: float | None = None  # (0, 2], 1 or None: off
+    # Penalties and biases (`SamplingParams`); logit_bias keys are token ids as strings, as OpenAI's.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -57,11 +59,9 @@ class CommonRequest(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) of the first field set to a value this server cannot honour."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0):
-                return name, f"{name} is not supported (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        for key in self.logit_bias or ():
+            if not key.isdigit():
+                return "logit_bias", f"logit_bias keys must be token ids (digit strings), got {key!r}"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream=true"
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
@@ -121,7 +121,31 @@ class ChatMessage(BaseModel):
             message["content"] = "\n".join(part.text for part in self.content)
         elif self.content is not None:
             message["content"] = self.content
+        if "tool_calls" in message:
+            message["tool_calls"] = template_tool_calls(message["tool_calls"], index)
         return message
+
+
+def template_tool_calls(calls, index: int) -> list:
+    """An assistant message's `tool_calls` as templates read them: each call's
+    `function.arguments`, a JSON string in OpenAI's API, parsed into the object
+    that templates write back out (`| tojson`), as vLLM hands them over."""
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{index}].tool_calls must be a list of calls")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"messages[{index}].tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name': str, 'arguments': str}}}}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise ValueError(f"{where}.function.arguments must be a JSON object, got {arguments!r}") from None
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
 
 
 class ChatRequest(CommonRequest):
@@ -148,8 +172,8 @@ class ChatRequest(CommonRequest):
             return "top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {self.top_logprobs}"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
-        if self.tool_choice not in (None, "auto"):
-            return "tool_choice", "tool_choice must be 'auto' or null: the model decides, nothing is forced"
+        if self.tool_choice not in (None, "auto", "none"):
+            return "tool_choice", "tool_choice must be 'auto', 'none' or null: no call can be forced (no constraint)"
         if self.response_format not in (None, {"type": "text"}):
             return "response_format", "response_format must be {'type': 'text'} or null (no constrained decoding)"
         return super().unsupported()

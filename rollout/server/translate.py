@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from ..engine.requests import check_request_tokens
 from ..sampling_params import SamplingParams
+from ..tool_calls import ToolParser, parser_for
 from .backend import Backend
 from .config import ServerConfig
 from .echo import Echo
@@ -32,6 +33,7 @@ class Job:
     return_token_ids: bool  # prompt and completion token ids in the response
     prompt_field: str  # "prompt" or "messages": where prompt errors point
     tools: list | None = None  # chat: JSON schemas the template renders with the messages
+    tool_parser: ToolParser | None = None  # chat with tools: reads calls out of the output; None: text only
     work: int = 0  # prompts x n x (prompt tokens + max_tokens), once tokenized: what it holds in flight
     echo: Echo | None = None  # completions' echo and vLLM's prompt_logprobs (`echo.py`); None: neither
 
@@ -65,7 +67,11 @@ def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
     if echo is not None:
         params = replace(params, prompt_logprobs=echo.prompt_logprobs)
     job = _job(req, True, [messages], params, req.logprobs, "messages")
-    return replace(job, tools=req.tools, echo=echo)  # the backend renders them with the messages (off the event loop)
+    if not req.tools or req.tool_choice == "none":  # "none": the template is not told of tools
+        return replace(job, echo=echo)
+    codec = backend.codec
+    parser = parser_for(config.tool_call_parser, codec.chat.templates if codec and codec.chat else None)
+    return replace(job, tools=req.tools, tool_parser=parser, echo=echo)  # the backend renders tools (off the event loop)
 
 
 def _job(req: CommonRequest, chat: bool, prompts: list, params: SamplingParams, logprobs: bool, field: str) -> Job:
@@ -121,6 +127,10 @@ def _sampling_params(req: CommonRequest, max_tokens: int, prompt_field: str, top
             logprobs_mode=req.logprobs_mode or "processed",
             top_logprobs=top_logprobs,
             return_routed_experts=req.return_routed_experts,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         )
     except (ValueError, TypeError) as e:
         raise from_engine(e, prompt_field) from None

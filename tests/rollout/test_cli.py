@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rollout import Engine, SamplingParams
-from rollout.cli import InOrder, main
+from rollout.cli import InOrder, logit_bias, main
 
 
 def test_generate_writes_one_line_per_prompt(text_checkpoint, tmp_path, capsys):
@@ -37,6 +37,12 @@ def test_generate_writes_one_line_per_prompt(text_checkpoint, tmp_path, capsys):
             "--ignore-eos",
             "--logprobs-mode",
             "raw",
+            "--frequency-penalty",
+            "0.5",
+            "--repetition-penalty",
+            "1.3",
+            "--logit-bias",
+            "40=2.5",
         ]
     )
     assert rc == 0
@@ -48,13 +54,29 @@ def test_generate_writes_one_line_per_prompt(text_checkpoint, tmp_path, capsys):
     codec = engine.tokenizer
     ref = engine.generate(
         [codec.encode("hello"), codec.encode("abc"), [1, 40, 41], [1, 50]],
-        SamplingParams(n=3, max_tokens=6, seed=5, ignore_eos=True, logprobs_mode="raw"),
+        SamplingParams(
+            n=3,
+            max_tokens=6,
+            seed=5,
+            ignore_eos=True,
+            logprobs_mode="raw",
+            frequency_penalty=0.5,
+            repetition_penalty=1.3,
+            logit_bias={40: 2.5},
+        ),
     )
     for record, expected in zip(lines, ref, strict=True):
         assert record["prompt_token_ids"] == expected.prompt_token_ids
         assert [s["token_ids"] for s in record["samples"]] == [s.token_ids for s in expected.samples]
         assert [s["text"] for s in record["samples"]] == [s.text for s in expected.samples]
         assert all(len(s["logprobs"]) == len(s["versions"]) == 6 for s in record["samples"])
+
+
+def test_logit_bias_options_parse_or_name_the_bad_one():
+    assert logit_bias(["40=2.5", "7=-100"]) == {40: 2.5, 7: -100.0} and logit_bias(None) is None
+    for bad in ("40", "x=1", "40=high"):
+        with pytest.raises(ValueError, match="--logit-bias takes TOKEN=BIAS"):
+            logit_bias([bad])
 
 
 def test_bad_prompt_file_is_a_clear_error(text_checkpoint, tmp_path):
