@@ -71,7 +71,8 @@ def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
         return replace(job, echo=echo)
     codec = backend.codec
     parser = parser_for(config.tool_call_parser, codec.chat.templates if codec and codec.chat else None)
-    return replace(job, tools=req.tools, tool_parser=parser, echo=echo)  # the backend renders tools (off the event loop)
+    # the backend renders the tools with the messages (off the event loop)
+    return replace(job, tools=req.tools, tool_parser=parser, echo=echo)
 
 
 def _job(req: CommonRequest, chat: bool, prompts: list, params: SamplingParams, logprobs: bool, field: str) -> Job:
