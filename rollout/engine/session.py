@@ -295,6 +295,8 @@ def _turn_params(params: SamplingParams | None) -> SamplingParams:
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     if params.n != 1:
         raise ValueError(f"a session turn samples one continuation: n must be 1, got {params.n}")
+    if params.prompt_logprobs is not None:  # the history is adopted from the turn before, never recomputed
+        raise ValueError("prompt_logprobs is not supported on a session turn: score the session's token_ids instead")
     return params
 
 

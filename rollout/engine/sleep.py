@@ -46,6 +46,7 @@ WAKE_TAGS = ("weights", "kv_cache")
 
 class SleepAPI:
     _kv_shape: tuple[int, ...] | None = None  # the pool's shape while it is freed
+    _routing_shape: tuple[int, ...] | None = None  # the pool's routing pages' shape while they are freed
     _weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None  # weights freed: what to allocate
     _weights_discarded: bool = False  # the weights' values are gone until a push sets every one
 
@@ -75,9 +76,11 @@ class SleepAPI:
             if self._kv_shape is None:
                 self._kv_shape = tuple(self.kv_pool.k.shape)
                 self.kv_pool.k = self.kv_pool.v = torch.empty(0, dtype=self.kv_pool.k.dtype, device=self.config.device)
-                self.stepper.invalidate()
-                if self.stepper.graphs is not None:
-                    self.stepper.graphs.release()
+                routing = self.kv_pool.routing  # mixture-of-experts models: the pages' routed experts
+                if routing is not None:
+                    self._routing_shape = tuple(routing.shape)
+                    self.kv_pool.routing = torch.empty(0, dtype=routing.dtype, device=self.config.device)
+                self.stepper.release_graphs()
                 self.decode_cache.invalidate()
             if level == 2 and self._weight_shapes is None:
                 self._free_weights()
@@ -100,6 +103,10 @@ class SleepAPI:
                 dtype = self.kv_pool.k.dtype
                 self.kv_pool.k = zero_pages(self._kv_shape, dtype, self.config.device)
                 self.kv_pool.v = zero_pages(self._kv_shape, dtype, self.config.device)
+                if self._routing_shape is not None:
+                    routing = self.kv_pool.routing
+                    self.kv_pool.routing = zero_pages(self._routing_shape, routing.dtype, self.config.device)
+                    self._routing_shape = None
                 self._kv_shape = None
 
     def _check_awake(self) -> None:

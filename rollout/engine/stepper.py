@@ -142,6 +142,7 @@ class Stepper:
     def _run(self, plan: StepPlan, prepared: PreparedStep) -> RowExtras:
         """The model and sampler: tokens and logprobs land in the workspace's out buffers;
         the top logprobs of the rows that ask for them, and prompt logprobs, are returned."""
+        self._reported = None  # set again by a forward with penalised rows; a graph never has any
         if prepared.graph is not None:
             self.graphs.run(prepared.num_rows, prepared.graph)
             self._sampled = self._graph_sampled.get(prepared.graph)
@@ -174,6 +175,15 @@ class Stepper:
         self.cache.invalidate()
         if self.graphs is not None:
             self.graphs.invalidate()
+
+    def release_graphs(self) -> None:
+        """Drop the decode graphs and every tensor of theirs this stepper holds (a sleep frees
+        their memory pool); the next decode captures them again."""
+        self.invalidate()
+        if self.graphs is not None:
+            self.graphs.release()
+        self._graph_sampled.clear()
+        self._sampled = None
 
     def _copy_pages(self, page_copies: list[tuple[int, int]]) -> None:
         if page_copies:

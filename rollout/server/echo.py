@@ -63,10 +63,18 @@ def drop_samples(echo: Echo | None, outputs: list[RolloutOutput]) -> list[Rollou
     return [
         replace(
             out,
-            samples=[Sample([], [], [], "length", "", [] if s.top_logprobs is not None else None) for s in out.samples],
+            samples=[
+                Sample([], [], [], "length", "", [] if s.top_logprobs is not None else None, _no_rows(s.routed_experts))
+                for s in out.samples
+            ],
         )
         for out in outputs
     ]
+
+
+def _no_rows(array):
+    """`array` with none of its rows (None stays None): a sample that kept no token."""
+    return None if array is None else array[:0].copy()
 
 
 def echo_choice(reply: Reply, choice: dict, prompt: int, out: RolloutOutput, sample: Sample) -> None:

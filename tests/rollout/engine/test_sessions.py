@@ -219,6 +219,8 @@ def test_bad_session_input_is_refused_and_changes_nothing(long_ckpt):
     before = (sess.token_ids, sess.loss_mask, sess.logprobs, sess.versions)
     with pytest.raises(ValueError, match="n must be 1"):
         sess.generate(SamplingParams(n=2))
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported on a session turn"):
+        sess.generate(SamplingParams(prompt_logprobs=0))
     with pytest.raises(TypeError, match="params"):
         sess.generate({"max_tokens": 3})
     with pytest.raises(ValueError, match="vocabulary"):

@@ -117,3 +117,25 @@ def test_sleep_is_refused_while_requests_are_in_flight(qwen2):
     assert len(errors) == 1 and engine.asleep == ()
     engine.sleep(1)
     assert engine.asleep == ("kv_cache",)
+
+
+def test_a_moe_engine_frees_its_routing_pages_asleep_and_routes_as_before_after_a_wake(moe_checkpoints):
+    """The KV pool's routing pages go with the keys and values, and come back zeroed: the
+    routed experts after a wake equal those before the sleep, as do the tokens."""
+    engine = make_engine(moe_checkpoints["qwen3_moe"].path, kv_cache_tokens=4096)
+    params = SamplingParams(n=2, max_tokens=6, ignore_eos=True, seed=5, return_routed_experts=True)
+
+    def routed():
+        outs = engine.generate(PROMPTS, params)
+        return [
+            (o.prompt_routed_experts.tolist(), [(s.token_ids, s.routed_experts.tolist()) for s in o.samples])
+            for o in outs
+        ]
+
+    before = routed()
+    shape, dtype = engine.kv_pool.routing.shape, engine.kv_pool.routing.dtype
+    engine.sleep(level=1)
+    assert engine.kv_pool.routing.numel() == 0 and engine.kv_pool.nbytes == 0
+    engine.wake_up()
+    assert engine.kv_pool.routing.shape == shape and engine.kv_pool.routing.dtype == dtype
+    assert routed() == before
