@@ -23,9 +23,7 @@ from .corrections import correction_weights
 from .distill import teacher_logprobs
 from .group_collector import EngineRun, GroupCollector, GroupSource
 from .logprobs import token_logprobs
-from .lora import export_adapters, export_base, is_peft_lora
-from .names import export_state_dict
-from .pushing import WeightPusher
+from .pushing import WeightPusher, push_metrics, state_to_push
 from .staleness import StalenessPolicy
 
 
@@ -123,12 +121,7 @@ class TrainerBridge:
         process (the bytes cross a network) and whole pushes otherwise. A PEFT LoRA
         model pushes its adapters only; the engines merge them over the base
         weights they keep. `last_push` says what the push cost."""
-        if is_peft_lora(model_or_state_dict):  # its adapters only (and its base over discarded weights)
-            state = export_adapters(model_or_state_dict)
-            if self._pusher.weights_discarded:
-                state.update(export_base(model_or_state_dict, self.dtype))
-        else:
-            state = export_state_dict(model_or_state_dict, self.dtype)
+        state = state_to_push(model_or_state_dict, self.dtype, self._pusher.weights_discarded)
         start, wall = time.perf_counter(), time.time()
         v = self._pusher.push(state, version, inflight, delta)
         self.last_push_seconds = time.perf_counter() - start
@@ -139,10 +132,7 @@ class TrainerBridge:
                     "push/seconds": self.last_push_seconds,
                     "push/version": v,
                     "push/generation_pause_s": self.last_push_pause,
-                    "push/bytes_sent": self.last_push.bytes_sent,
-                    "push/bytes_full": self.last_push.bytes_full,
-                    "push/delta": float(self.last_push.encoding == "delta"),
-                    "push/changed_fraction": self.last_push.changed_fraction,
+                    **push_metrics(self.last_push),
                 }
             )
         return v

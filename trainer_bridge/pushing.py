@@ -13,6 +13,30 @@ from rollout import Engine, RolloutCluster
 from rollout.engine.weight_delta import DeltaEncoder, PushCost
 from rollout.engine.weight_lora import adapter_cost, has_adapters
 
+from .lora import export_adapters, export_base, is_peft_lora
+from .names import export_state_dict
+
+
+def state_to_push(model_or_state_dict, dtype: torch.dtype, weights_discarded: bool) -> dict[str, torch.Tensor]:
+    """What `TrainerBridge.push` sends: a PEFT LoRA model's adapters (with its base weights
+    when a level-2 sleep discarded the engines'), else the whole state dict cast to `dtype`."""
+    if not is_peft_lora(model_or_state_dict):
+        return export_state_dict(model_or_state_dict, dtype)
+    state = export_adapters(model_or_state_dict)
+    if weights_discarded:
+        state.update(export_base(model_or_state_dict, dtype))
+    return state
+
+
+def push_metrics(cost: PushCost) -> dict[str, float]:
+    """A push's cost as the bridge's metrics log it."""
+    return {
+        "push/bytes_sent": cost.bytes_sent,
+        "push/bytes_full": cost.bytes_full,
+        "push/delta": float(cost.encoding == "delta"),
+        "push/changed_fraction": cost.changed_fraction,
+    }
+
 
 class WeightPusher:
     """Pushes cast state dicts to `target`. For an `Engine` it keeps the
