@@ -64,8 +64,8 @@ def naive_push_seconds(state: dict[str, torch.Tensor], actors) -> float:
     return time.perf_counter() - start
 
 
-def start_cluster(args):
-    """A local Ray with a fixed, preallocated object store and 2 CPU actors."""
+def start_local_ray(store_mb: int) -> None:
+    """A local Ray for 2 CPU actors and the driver, with a fixed, preallocated object store."""
     import ray
 
     ray.init(
@@ -73,9 +73,14 @@ def start_cluster(args):
         num_cpus=3,
         include_dashboard=False,
         log_to_driver=False,
-        object_store_memory=args.store_mb * 2**20,
+        object_store_memory=store_mb * 2**20,
         _system_config={"preallocate_plasma_memory": True},
     )
+
+
+def start_cluster(args):
+    """A local Ray with a fixed, preallocated object store and 2 CPU actors."""
+    start_local_ray(args.store_mb)
     tmp = Path(tempfile.mkdtemp(prefix="bench_sync_"))
     write_checkpoint(tmp, CONFIG)
     return rollout.init(

@@ -26,6 +26,7 @@ import torch
 import rollout
 from rollout.cluster.host import resident_bytes
 from scripts.bench import write_json
+from scripts.bench_sync import start_local_ray
 from scripts.host import describe
 from scripts.synthetic import qwen2_config, random_state, write_checkpoint
 
@@ -165,14 +166,7 @@ def main() -> None:
     lrs = [float(x) for x in args.lrs.split(",")]
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=3,
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=args.store_mb * 2**20,
-        _system_config={"preallocate_plasma_memory": True},
-    )
+    start_local_ray(args.store_mb)
     tmp = Path(tempfile.mkdtemp(prefix="bench_sync_kinds_"))
     write_checkpoint(tmp, CONFIG)
     trainer = Trainer(random_state(CONFIG, 0))

@@ -15,6 +15,7 @@ from rollout import SamplingParams
 from rollout.engine.routing import routing_dtype
 from tests.conftest import make_engine
 from tests.factories import MOE_FAMILIES
+from tests.rollout.engine.test_weight_updates import UpdateAtStep
 
 LONG = list(range(3, 43))  # 40 tokens: two full pages of 16
 PARAMS = SamplingParams(n=2, max_tokens=10, ignore_eos=True, seed=3, return_routed_experts=True)
@@ -60,25 +61,13 @@ def test_prefix_hits_and_preemption_keep_each_positions_routing(moe_checkpoints)
     assert_routing_matches(ck.hf, first + second)
 
 
-class CommitAtStep:
-    """A step callback that runs `action` once, after step `at`, between steps."""
-
-    def __init__(self, at: int):
-        self.at, self.count, self.action = at, 0, None
-
-    def __call__(self, info):
-        self.count += 1
-        if self.count == self.at and self.action is not None:
-            self.action()
-
-
 def test_routing_after_a_recompute_commit_is_the_new_policys(moe_checkpoints):
     ck = moe_checkpoints["mixtral"]
     hf_b = copy.deepcopy(ck.hf)
     g = torch.Generator().manual_seed(8)
     routers = {n: torch.randn(t.shape, generator=g) for n, t in hf_b.state_dict().items() if n.endswith("gate.weight")}
     hf_b.load_state_dict(routers, strict=False)
-    hook = CommitAtStep(at=4)
+    hook = UpdateAtStep(at=4)
     engine = make_engine(ck.path, step_callback=hook)
     hook.action = lambda: engine.update_weights(routers, inflight="recompute")
     outs = engine.generate([LONG], PARAMS)
