@@ -41,6 +41,7 @@ class EngineConfig:
     decode_graphs: str  # resolved: "off", "eager" or "cuda" (see rollout.engine.decode_graphs)
     kernels: str  # "compiled", "triton" (rollout.kernels) or "torch" (torch ops); "auto" until the Engine loads them
     max_request_tokens: int | None = None  # bound on one call's prompts x n x (prompt + max_tokens); None: none
+    async_scheduling: bool = False  # resolved: steps overlapped with the host's work (rollout.engine.pipeline)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -64,6 +65,7 @@ class EngineConfig:
         kv_cache_dtype=None,
         matmul_dtype=None,
         max_request_tokens=None,
+        async_scheduling="auto",
     ) -> EngineConfig:
         dev = _device(device)
         graphs = resolve_mode(decode_graphs, dev) if isinstance(decode_graphs, str) else None
@@ -95,6 +97,7 @@ class EngineConfig:
             kv_cache_tokens = _default_kv_tokens(mc, dev, kv_dt, max_batch_size * max_seq_len)
         kv_cache_tokens = check_int("kv_cache_tokens", kv_cache_tokens, page_size, "(at least one page)")
         kernel_choice = check_kernels(kernels, dev)
+        overlap = resolve_async_scheduling(async_scheduling, dev)
         if max_request_tokens is not None:
             max_request_tokens = check_int("max_request_tokens", max_request_tokens, 1, "or None (no bound)")
         return cls(
@@ -111,7 +114,18 @@ class EngineConfig:
             decode_graphs=graphs,
             kernels=kernel_choice,
             max_request_tokens=max_request_tokens,
+            async_scheduling=overlap,
         )
+
+
+def resolve_async_scheduling(value, dev: torch.device) -> bool:
+    """`async_scheduling` checked: "auto" is on for a CUDA device, off elsewhere
+    (on the CPU the host computes the steps: there is nothing to overlap)."""
+    if not isinstance(value, (bool, str)):
+        raise TypeError(f"async_scheduling must be 'auto', True or False, got {type(value).__name__}")
+    if value not in ("auto", True, False):
+        raise ValueError(f"async_scheduling must be 'auto', True or False, got {value!r}")
+    return dev.type == "cuda" if value == "auto" else value
 
 
 def check_kernels(kernels, dev: torch.device) -> str:

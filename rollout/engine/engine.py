@@ -2,8 +2,9 @@
 stepper, the workspace and the policy version guard; no Ray here.
 
 A step (`_one_step`) is three calls under the guard: the scheduler plans
-(`schedule`), the stepper computes (`step`), the scheduler applies the result
-(`update`). The caller's finished requests are copied under the guard too,
+(`schedule`), the stepper computes (`launch`), the scheduler applies the
+result (`advance`, then `apply`: one step later under `async_scheduling`, see
+`rollout.engine.pipeline`). The caller's finished requests are copied under the guard too,
 as another thread's step may be finishing them; their outputs are decoded,
 and the step's record logged, after the guard is released."""
 
@@ -37,6 +38,7 @@ from .errors import ClosedError
 from .kv_manager import KVManager
 from .leases import LeaseSlot
 from .open_iterators import OpenIterators
+from .pipeline import StepPipeline
 from .requests import PromptLimits, make_requests
 from .routing import RoutingReader, pool_routing
 from .scheduler import Scheduler
@@ -44,7 +46,7 @@ from .score_requests import run_score
 from .sequence import Request
 from .session import EngineTurns, Session
 from .sleep import SleepAPI
-from .step_failures import RequestFailures, StepOutcome, recovering, run_step
+from .step_failures import RequestFailures, StepOutcome
 from .step_stats import StepInfo, StepLog
 from .stepper import Stepper
 from .stop_strings import StopStrings
@@ -60,21 +62,21 @@ class Engine(WeightsAPI, SleepAPI):
     Arguments (see docs/design.md): `model_path` is a Hugging Face checkpoint
     directory (config.json + safetensors, tokenizer optional). Bad arguments
     raise `ValueError`/`TypeError` naming the field before anything is built.
-    Extra keywords: `page_size` (KV tokens per page), `max_step_tokens`
-    (tokens computed per step), `debug_decode_cache` (check the fast decode
-    path against the host path every step), `decode_graphs` ("auto": "cuda"
-    on a CUDA device, else "off"; "cuda": decode steps replayed from CUDA
-    graphs; "eager": the same padded steps without capture; see
-    `rollout.engine.decode_graphs`), `kernels` ("auto": on the CPU the compiled
-    kernels of `rollout.kernels` when they build, on CUDA its Triton kernels,
-    else "torch"; "compiled" or "triton": those kernels or an error, "triton"
-    on the CPU only under `TRITON_INTERPRET=1`; "torch": torch ops only,
-    attention over gathered pages with SDPA), `kv_cache_dtype` (None: the model's; "bfloat16"
-    under float32 halves the pool, at a logprob cost), `matmul_dtype` (None:
-    the model's; "bfloat16" under float32: the layers' projections multiply
-    in bfloat16 with float32 accumulation, at a logprob cost), `max_request_tokens`
-    (None: no bound; else a call whose prompts x n x (prompt tokens +
-    max_tokens) exceed it raises `ValueError`, see `request_tokens`), `step_callback`.
+    Extra keywords: `page_size` (KV tokens per page), `max_step_tokens` (tokens
+    computed per step), `debug_decode_cache` (check the fast decode path against
+    the host path every step), `decode_graphs` ("auto": "cuda" on a CUDA device,
+    else "off"; "cuda": decode steps replayed from CUDA graphs; "eager": the same
+    padded steps without capture; see `rollout.engine.decode_graphs`), `kernels`
+    ("auto": on the CPU the compiled kernels of `rollout.kernels` when they build,
+    on CUDA its Triton kernels, else "torch"; "compiled" or "triton": those kernels
+    or an error, "triton" on the CPU only under `TRITON_INTERPRET=1`; "torch": torch
+    ops, attention over gathered pages with SDPA), `kv_cache_dtype` (None: the
+    model's; "bfloat16" under float32 halves the pool, at a logprob cost),
+    `matmul_dtype` (None: the model's; "bfloat16" under float32: projections
+    multiply in bfloat16, accumulate in float32), `async_scheduling` ("auto": on
+    for CUDA; True: each step applied one step late, `rollout.engine.pipeline`),
+    `max_request_tokens` (None: no bound; else a call whose prompts x n x (prompt
+    tokens + max_tokens) exceed it raises `ValueError`), `step_callback`.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class Engine(WeightsAPI, SleepAPI):
         kv_cache_dtype: str | torch.dtype | None = None,
         matmul_dtype: str | torch.dtype | None = None,
         max_request_tokens: int | None = None,
+        async_scheduling: bool | str = "auto",
         step_callback: Callable[[StepInfo], None] | None = None,
     ) -> None:
         self.model_config = ModelConfig.from_dir(model_path)
@@ -113,6 +116,7 @@ class Engine(WeightsAPI, SleepAPI):
             kv_cache_dtype=kv_cache_dtype,
             matmul_dtype=matmul_dtype,
             max_request_tokens=max_request_tokens,
+            async_scheduling=async_scheduling,
         )
         self.codec = TextCodec.from_dir(model_path, self.model_config.eos_token_ids)
         self._kernels = load_kernels(cfg.kernels, cfg.device)  # compiled at first use; None: torch ops only
@@ -165,6 +169,7 @@ class Engine(WeightsAPI, SleepAPI):
             max_step_tokens=cfg.max_step_tokens,
             is_stop_text=StopStrings(self.codec).find if self.codec is not None else None,
         )
+        self._pipeline = StepPipeline(self.stepper, self.scheduler, cfg.async_scheduling)
 
     # -- public API ----------------------------------------------------------------------
     @property
@@ -235,9 +240,8 @@ class Engine(WeightsAPI, SleepAPI):
         return await run_episodes_async(self.session, envs, params, max_turns)
 
     def stats(self) -> dict[str, int | float]:
-        """Counters for monitoring: tokens computed, prefix hits, preemptions,
-        tokens recomputed after their KV was dropped and sampled tokens a
-        restart threw away, KV use."""
+        """Counters for monitoring: tokens computed, prefix hits, preemptions, tokens
+        recomputed after their KV was dropped, sampled tokens thrown away, KV use."""
         self._check_open()
         st = self.scheduler.stats
         alloc = self.scheduler.kv.allocator
@@ -280,6 +284,7 @@ class Engine(WeightsAPI, SleepAPI):
             if self._closed:
                 return
             self._closed = True
+            self._pipeline.drop()
             del self.kv_pool, self.workspace, self.decode_cache, self.stepper
             self._guard.notify()  # drains and drain-blocked callers wake up to raise
 
@@ -372,15 +377,16 @@ class Engine(WeightsAPI, SleepAPI):
                 started = time.perf_counter()
                 # Scheduling publishes the pages a step will write (prefix cache): if scheduling,
                 # the step or the update fails midway, none of what it touched is trusted.
-                with recovering(self.scheduler, self.stepper):
+                with self._pipeline.recovering():
+                    settled = self._pipeline.settle_for_host()
                     plan = self.scheduler.schedule(version)
-                    if not plan.chunks:
-                        blocked = self.scheduler.blocked_by_drain()
-                        if not blocked:
-                            raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
-                    elif run_step(self.stepper, self.scheduler, plan, self._failures):
-                        info = StepInfo.read(started, plan, self.scheduler)
-                    # Else the step failed on some requests' rows: they ended, the others go on next step.
+                    if plan.chunks:  # `run` is False when the step failed on some requests' rows: they ended
+                        if self._pipeline.run(plan, self._failures):
+                            info = StepInfo.read(started, plan, self.scheduler)
+                    elif self._pipeline.inflight is not None:
+                        self._pipeline.settle()  # what is left ends with the step in flight
+                    elif not settled and not (blocked := self.scheduler.blocked_by_drain()):
+                        raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
             failed = self._failures.collect(pending)
             ended = {key for key, _ in failed}
             finished = [(i, r.result()) for i, r in pending.items() if r.is_finished and i not in ended]

@@ -68,6 +68,15 @@ class KVManager:
         seq.page_keys.clear()
         seq.num_computed_tokens = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the KV of `seq`'s first `num_tokens` positions only, freeing pages past them."""
+        keep = self.pages_for(num_tokens)
+        for page in seq.block_table[keep:]:
+            self.allocator.decref(page)
+        del seq.block_table[keep:]
+        del seq.page_keys[num_tokens // self.page_size :]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+
     def match_prefix(self, seq: Sequence, version: int, limit: int | None = None) -> int:
         """Attach cached pages for the longest cached prefix of a sequence with
         no KV, covering at most `limit` tokens (default: all but the last, so
@@ -99,7 +108,7 @@ class KVManager:
         if not seq.cacheable:
             return
         ps = self.page_size
-        full = num_tokens // ps
+        full = min(num_tokens, seq.num_tokens) // ps  # a page whose last token is still on the device waits
         for i in range(len(seq.page_keys), full):
             parent = seq.page_keys[-1] if seq.page_keys else b""
             key = page_hash(parent, version, seq.token_ids[i * ps : (i + 1) * ps])

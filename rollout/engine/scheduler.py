@@ -64,6 +64,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.pending and self._done_when_applied(seq):
+                i += 1  # its pending token is its last: nothing more to compute for it
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             if self._reserve_or_preempt(seq, n, plan):
                 plan.chunks.append(self._chunk(seq, n, version))
@@ -75,6 +78,14 @@ class Scheduler:
             self._admit(plan, budget, version)
         plan.chunks.sort(key=lambda c: c.length == 1)  # prefills first: the layout attention expects
         return plan
+
+    @staticmethod
+    def _done_when_applied(seq: Sequence) -> bool:
+        """Whether `seq` ends once its pending token is applied, whatever the token: it hits
+        `max_tokens`, or it is scored only. (A stop token or string is seen only then, so a
+        sequence that samples one computes one more token, discarded; see `apply`.)"""
+        request = seq.request
+        return request.score_only or seq.num_output_tokens + seq.pending >= request.max_tokens
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         while not self.kv.reserve(seq, n, plan.page_copies):
@@ -91,8 +102,8 @@ class Scheduler:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             request = seq.request
-            if self.draining and not request.started:
-                break
+            if self.draining and not request.started or seq.pending:
+                break  # a sequence preempted with a token in flight is admitted once it is applied
             forks = len(request.pending_forks) if request.leader is seq else 0
             if used + 1 + forks > self.max_batch_size:
                 break
@@ -142,9 +153,14 @@ class Scheduler:
 
     # -- update --------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> None:
-        for scores in result.scores or ():
-            scores.seq.request.prompt_scores.record(scores, result.version)
-        finished = []
+        """Apply a step that ran to its end: `advance`, then `apply`."""
+        self.advance(plan)
+        self.apply(plan, result)
+
+    def advance(self, plan: StepPlan) -> None:
+        """What a launched step computes, before its tokens are known: the chunks'
+        positions count as computed, the group members it samples for fork from
+        their leader, and each sampled sequence has one token pending."""
         for chunk in plan.chunks:
             seq, end = chunk.seq, chunk.start + chunk.length
             seq.num_computed_tokens = end
@@ -155,13 +171,28 @@ class Scheduler:
             for s in chunk.samplers:
                 if s is not seq:
                     self._fork(seq, s)
-            request = seq.request
+        for s in plan.samplers:
+            s.pending += 1
+
+    def apply(self, plan: StepPlan, result: StepResult) -> None:
+        """The tokens of an advanced step: appended, and the samples they end finished.
+        A sample that ended while the step was in flight (a stop seen one step late,
+        an abort) drops its token: it is never returned."""
+        for scores in result.scores or ():
+            scores.seq.request.prompt_scores.record(scores, result.version)
+        finished = []
+        for chunk in plan.chunks:
+            seq, request = chunk.seq, chunk.seq.request
+            end = chunk.start + chunk.length
             if request.prompt_scores is not None and end >= seq.num_prompt_tokens and not request.prompt_scores.done:
                 request.prompt_scores.finish(result.version)
-                if request.score_only:
+                if request.score_only and not seq.is_finished:
                     finished.append((seq, "stop"))
         top = result.top or [None] * len(result.tokens)
         for s, token, logprob, alternatives in zip(plan.samplers, result.tokens, result.logprobs, top, strict=True):
+            s.pending -= 1
+            if s.is_finished:
+                continue
             s.append(token, logprob, result.version, alternatives)
             reason = self._finish_reason(s, token)
             if reason is not None:
@@ -203,6 +234,10 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.FORK_PENDING:
             seq.request.pending_forks.remove(seq)
+        if seq.pending and seq.num_computed_tokens >= seq.num_tokens:
+            # The step in flight feeds its last token: keep the KV a synchronous step would
+            # have (the last token's is computed with the next turn), its extra page freed.
+            self.kv.trim(seq, seq.num_tokens - 1)
         slot = seq.request.lease_slot
         if slot is not None and reason != "abort":
             self.kv.save_routing(seq)
@@ -276,6 +311,9 @@ class Scheduler:
         copied on write) cannot be trusted, so every running sequence drops
         its KV and is recomputed from its tokens."""
         self.kv.clear_prefix_cache()
+        for request in self.requests:  # the tokens of the steps in flight are lost: sampled again
+            for s in request.samples:
+                s.pending = 0
         for s in reversed(list(self.running)):
             self._requeue(s)
 

@@ -37,7 +37,8 @@ class Sequence:
     sample_index: int  # which of the request's n samples (its RNG stream)
     token_ids: list[int]  # prompt tokens, then output tokens
     status: SeqStatus = SeqStatus.WAITING
-    num_computed_tokens: int = 0  # leading tokens whose KV is in block_table
+    num_computed_tokens: int = 0  # leading tokens whose KV is in block_table (or is being written)
+    pending: int = 0  # tokens sampled by a launched step whose result is not applied yet (0 or 1)
     kv_high_water: int = 0  # positions whose KV was ever computed: computing them again is a recompute
     block_table: list[int] = field(default_factory=list)  # page ids, in position order
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full computed pages
@@ -65,7 +66,13 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens to feed before the next sample, a pending token (still on the device) included."""
+        return len(self.token_ids) + self.pending - self.num_computed_tokens
+
+    @property
+    def next_rng_pos(self) -> int:
+        """The output index of the token the next step samples for this sequence (its RNG counter)."""
+        return len(self.token_ids) + self.pending - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

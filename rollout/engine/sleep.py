@@ -67,6 +67,7 @@ class SleepAPI:
         self._check_open()
         with self._update_lock, self._guard.ahead_of_steps():
             self._check_open()
+            self._pipeline.settle()  # its extra tokens still write to the pool
             if self.scheduler.requests:
                 raise RuntimeError(
                     f"sleep() with {len(self.scheduler.requests)} requests in flight; wait for them or abort them first"

@@ -14,12 +14,10 @@ thread ran the step, as any failed step is.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from .plan import ScheduledChunk, StepPlan
-from .scheduler import Scheduler
 from .sequence import Request, RequestResult
 from .step_stats import StepInfo
 from .stepper import Stepper
@@ -55,33 +53,11 @@ class RequestFailures:
             self._errors.pop(r.request_id, None)
 
 
-def run_step(stepper: Stepper, scheduler: Scheduler, plan: StepPlan, failures: RequestFailures) -> bool:
-    """Step `plan` and apply its result; True when it was applied. When the step
-    raises, the requests whose own share raises are aborted and their errors
-    recorded in `failures`, the rest recomputed, and False returned; when no
-    request's share raises alone, or every one of several does (the device,
-    not a row), the step's error propagates."""
-    try:
-        result = stepper.step(plan)
-    except Exception:
-        shares = _by_request(plan.chunks)
-        culprits = find_culprits(stepper, plan, shares)
-        if not culprits or len(shares) > 1 and len(culprits) == len(shares):
-            raise
-        recover(scheduler, stepper)
-        for request, error in culprits:
-            scheduler.abort([request])
-            failures.record(request, error)
-        return False
-    scheduler.update(plan, result)
-    return True
-
-
 def find_culprits(
     stepper: Stepper, plan: StepPlan, shares: list[tuple[Request, list[ScheduledChunk]]]
 ) -> list[tuple[Request, Exception]]:
     """The requests of `plan` whose share of the step raises when run alone, with
-    their errors. `shares` are the plan's chunks by request (`_by_request`); each
+    their errors. `shares` are the plan's chunks by request (`by_request`); each
     is run as a plan of its request's chunks (in plan order, so
     prefills stay first) and the step's page copies (copying a shared page again
     rewrites the same values). Run before recovery: the shares write KV only to
@@ -95,24 +71,7 @@ def find_culprits(
     return culprits
 
 
-def recover(scheduler: Scheduler, stepper: Stepper) -> None:
-    """After a step failed midway: the KV it wrote and the device state carried
-    between steps are not trusted, so running sequences are recomputed."""
-    scheduler.recover()
-    stepper.invalidate()
-
-
-@contextlib.contextmanager
-def recovering(scheduler: Scheduler, stepper: Stepper) -> Iterator[None]:
-    """`recover` when the block raises (scheduling, a step or its update failed midway)."""
-    try:
-        yield
-    except BaseException:
-        recover(scheduler, stepper)
-        raise
-
-
-def _by_request(chunks: list[ScheduledChunk]) -> list[tuple[Request, list[ScheduledChunk]]]:
+def by_request(chunks: list[ScheduledChunk]) -> list[tuple[Request, list[ScheduledChunk]]]:
     groups: dict[int, tuple[Request, list[ScheduledChunk]]] = {}
     for c in chunks:
         groups.setdefault(c.seq.request.request_id, (c.seq.request, []))[1].append(c)

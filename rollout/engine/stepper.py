@@ -3,10 +3,17 @@ one step. It binds KV pages, runs prefill chunks and decodes through the
 model, samples, and returns tokens, logprobs and the policy version. It never
 changes request state: the scheduler does, from the returned result.
 
-A step is three named parts: `_prepare` (page copies, the inputs in the
-workspace, attention metadata), `_run` (a decode graph's replay, or the model
-and sampler) and `_finish` (read the tokens and logprobs back, remember a
-pure decode's signature for the next step).
+A step is launched, then collected. `launch` runs `_prepare` (page copies,
+the inputs in the workspace, attention metadata), `_run` (a decode graph's
+replay, or the model and sampler) and `_finish` (the sampler's fix-ups, a
+pure decode's signature remembered for the next step, and, when the result is
+to be collected later, a copy of the tokens and logprobs to a staging buffer:
+pinned host memory and an event on CUDA). `collect` reads them back.
+
+Between the two, the next step may be launched (overlapped scheduling, see
+`rollout.engine.pipeline`): a sequence whose last token is still on the
+device is fed that token from the last step's sampled tokens, on the device
+(all of them on a decode-cache hit, else gathered row by row).
 """
 
 from __future__ import annotations
@@ -34,6 +41,17 @@ class RowExtras(NamedTuple):
 
     top: TopLogprobs | None  # per sampler row; None: no row asked
     scores: list[SpanScores] | None  # per score span; None: the step had none
+
+
+class Launched(NamedTuple):
+    """A launched step: where its tokens and logprobs are read from once `ready`."""
+
+    num_rows: int
+    tokens: torch.Tensor  # the workspace's out buffer, or a staging copy when collected later
+    logprobs: torch.Tensor
+    ready: torch.cuda.Event | None  # recorded after the staging copy (CUDA); None: readable now
+    version: int
+    extras: RowExtras
 
 
 class SampledRows(NamedTuple):
@@ -90,6 +108,9 @@ class Stepper:
         self._penalized: list[Sequence] | None = None  # this step's rows when some have penalties
         self._reported: torch.Tensor | None = None  # with penalties: the logits each row's logprobs are reported in
         self._top: list[int] | None = None  # its rows' top_logprobs counts, when some row asks
+        self._last_samplers: list[Sequence] = []  # the rows of the last launched step's out buffers
+        self._staging: list[tuple[torch.Tensor, torch.Tensor]] = []  # two (tokens, logprobs) buffers
+        self._next_staging = 0
         self.graphs = None
         if decode_graphs != "off":
             if scratch_page is None:
@@ -99,12 +120,26 @@ class Stepper:
                 decode_graphs, workspace, self._padded_decode, scratch_page, kv.page_size, fixed_width=fixed_width
             )
 
-    @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
         """One step of `plan`: a token and its logprob per sampler row, in plan order."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, staged: bool = False) -> Launched:
+        """Start the step of `plan`; with `staged`, its tokens are copied aside so the
+        next step may be launched before they are collected."""
         prepared = self._prepare(plan)
-        top, scores = self._run(plan, prepared)
-        return self._finish(plan, prepared, top, scores)
+        extras = self._run(plan, prepared)
+        return self._finish(plan, prepared, extras, staged)
+
+    def collect(self, launched: Launched) -> StepResult:
+        """The tokens and logprobs of a launched step, per sampler row in plan order
+        (waiting for the device where the step still runs)."""
+        n = launched.num_rows
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        top, scores = launched.extras
+        return StepResult(launched.tokens[:n].tolist(), launched.logprobs[:n].tolist(), launched.version, top, scores)
 
     def _prepare(self, plan: StepPlan) -> PreparedStep:
         """Copy-on-write page copies, then the step's inputs into the workspace
@@ -117,10 +152,12 @@ class Stepper:
         if _is_pure_decode(plan.chunks):
             signature = TaskSignature(plan.version, tuple(s.seq_id for s in samplers))
             if not self.cache.prepare(signature, lambda: self._decode_rows(plan.chunks)):
-                self._read_batch(samplers)  # a hit keeps the last batch's facts
+                self._read_batch(samplers)  # a hit keeps the last batch's facts, and its fed tokens
+                self._feed_in_flight(plan.chunks)
             num_logits = num_rows
         else:
             num_logits = self._upload_general(plan.chunks)
+            self._feed_in_flight(plan.chunks)
             self._read_batch(samplers)
             spans = score_spans(plan.chunks)
         meta = self._attention_metadata(plan.chunks)
@@ -152,23 +189,44 @@ class Stepper:
         p = prepared
         return self._forward(plan.num_tokens, p.meta, p.num_logits, p.num_rows, p.flags, p.top, p.spans)
 
-    def _finish(
-        self, plan: StepPlan, prepared: PreparedStep, top: TopLogprobs | None, scores: list[SpanScores] | None
-    ) -> StepResult:
-        """Read the sampled rows back; a pure decode's signature lets the next step reuse its inputs."""
+    def _finish(self, plan: StepPlan, prepared: PreparedStep, extras: RowExtras, staged: bool) -> Launched:
+        """The sampler's fix-ups; a pure decode's signature lets the next step reuse its inputs;
+        with `staged`, the tokens and logprobs copied aside (the next step overwrites the workspace's)."""
         n = prepared.num_rows
         if self.device_sample is not None and prepared.flags.any_filter:
             self._resample_uncovered(n)
         if self._reported is not None:  # rows reporting "raw" logprobs: the model's, unpenalised
             self._fix_raw(n)
-        result = StepResult(
-            self.ws.view("out_tokens", n).tolist(), self.ws.view("out_logprobs", n).tolist(), plan.version, top, scores
-        )
         if prepared.signature is not None:
             self.cache.remember(prepared.signature)
         else:
             self.cache.invalidate()
-        return result
+        self._last_samplers = plan.samplers
+        tokens, logprobs, ready = self.ws.view("out_tokens", n), self.ws.view("out_logprobs", n), None
+        if staged:
+            tokens, logprobs, ready = self._stage(tokens, logprobs)
+        return Launched(n, tokens, logprobs, ready, plan.version, extras)
+
+    def _stage(self, tokens: torch.Tensor, logprobs: torch.Tensor):
+        """Copy a step's tokens and logprobs to the next of two staging buffers (pinned host
+        memory on CUDA, copied without waiting, with an event that says when they landed)."""
+        if not self._staging:
+            rows, cuda = self.ws.buffer("out_tokens").shape[0], self.ws.device.type == "cuda"
+            self._staging = [
+                (torch.empty(rows, dtype=torch.int64, pin_memory=cuda), torch.empty(rows, pin_memory=cuda))
+                for _ in range(2)
+            ]
+        staged_tokens, staged_logprobs = self._staging[self._next_staging]
+        self._next_staging ^= 1
+        n = tokens.shape[0]
+        cuda = tokens.device.type == "cuda"
+        staged_tokens[:n].copy_(tokens, non_blocking=cuda)
+        staged_logprobs[:n].copy_(logprobs, non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return staged_tokens, staged_logprobs, ready
 
     def invalidate(self) -> None:
         """Forget device-side state carried between steps (after a failed step)."""
@@ -184,6 +242,22 @@ class Stepper:
             self.graphs.release()
         self._graph_sampled.clear()
         self._sampled = None
+
+    def _feed_in_flight(self, chunks: list[ScheduledChunk]) -> None:
+        """Rows whose input is a token the last launched step sampled (its result not
+        collected yet) take it from that step's out buffer, on the device."""
+        dst, src, offset, rows = [], [], 0, None
+        for c in chunks:
+            offset += c.length
+            if c.start + c.length > c.seq.num_tokens:  # its last input is still on the device
+                if rows is None:
+                    rows = {s.seq_id: r for r, s in enumerate(self._last_samplers)}
+                dst.append(offset - 1)
+                src.append(rows[c.seq.seq_id])
+        if dst:
+            device = self.ws.device
+            sampled = self.ws.buffer("out_tokens").index_select(0, torch.tensor(src, device=device))
+            self.ws.buffer("input_ids").index_copy_(0, torch.tensor(dst, device=device), sampled)
 
     def _copy_pages(self, page_copies: list[tuple[int, int]]) -> None:
         if page_copies:
@@ -279,12 +353,14 @@ class Stepper:
         seqs = [c.seq for c in chunks]
         positions = [c.start for c in chunks]
         rows = list(range(len(seqs)))
+        in_flight = [r for r, s in enumerate(seqs) if s.pending]  # fed on the device, see `_feed_in_flight`
         return DecodeRows(
-            input_ids=[s.token_ids[-1] for s in seqs],
+            input_ids=[s.token_ids[-1] if not s.pending else 0 for s in seqs],
             positions=positions,
             context_lens=[p + 1 for p in positions],
-            rng_pos=[s.num_output_tokens for s in seqs],
+            rng_pos=[s.next_rng_pos for s in seqs],
             sampling={**_sampling_values(seqs), "logit_rows": rows, "sample_rows": rows},
+            in_flight=in_flight,
         )
 
     def _upload_general(self, chunks: list[ScheduledChunk]) -> int:
@@ -295,6 +371,8 @@ class Stepper:
         context_lens: list[int] = []
         for c in chunks:
             ids.extend(c.seq.token_ids[c.start : c.start + c.length])
+            if len(ids) < len(positions) + c.length:  # its last token is still on the device: fed there
+                ids.append(0)
             positions.extend(range(c.start, c.start + c.length))
             if c.length == 1:
                 context_lens.append(c.start + 1)
@@ -307,7 +385,7 @@ class Stepper:
         self.ws.upload("context_lens", context_lens)
         self.ws.upload("logit_rows", logit_rows)
         self.ws.upload("sample_rows", sample_rows)
-        self.ws.upload("rng_pos", [s.num_output_tokens for s in samplers])
+        self.ws.upload("rng_pos", [s.next_rng_pos for s in samplers])
         for name, values in _sampling_values(samplers).items():
             self.ws.upload(name, values)
         return len(logit_rows)

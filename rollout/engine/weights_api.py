@@ -98,6 +98,7 @@ class WeightsAPI:
         def apply(_: int) -> None:
             self._check_open()  # a close that came first leaves nothing to install into
             self._check_commit(staged.restores)
+            self._pipeline.settle()  # the step in flight ran under the old weights: its tokens say so
             if staged.base is not None and staged.base != self._guard.version:
                 raise ValueError(
                     f"delta push is relative to version {staged.base}, but version {self._guard.version} "

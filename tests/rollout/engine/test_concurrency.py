@@ -155,15 +155,15 @@ def test_close_while_another_thread_generates_and_another_drains(qwen2):
 
 def test_close_during_a_step_waits_for_it_then_the_caller_gets_closed_error(qwen2, monkeypatch):
     engine = make_engine(qwen2.path)
-    real_step, in_step, release = engine.stepper.step, threading.Event(), threading.Event()
+    real_step, in_step, release = engine.stepper.launch, threading.Event(), threading.Event()
 
-    def step(plan):
+    def step(plan, staged=False):
         if not in_step.is_set():
             in_step.set()
             assert release.wait(WAIT)
-        return real_step(plan)
+        return real_step(plan, staged)
 
-    monkeypatch.setattr(engine.stepper, "step", step)
+    monkeypatch.setattr(engine.stepper, "launch", step)
     generating, gen_box = _in_thread(lambda: engine.generate(PROMPTS, PARAMS), "generating")
     assert in_step.wait(WAIT)
     closer, close_box = _in_thread(engine.close, "closing")

@@ -30,15 +30,15 @@ def _assert_same(got, expected):
 def test_failing_step_surfaces_and_engine_recovers(qwen2, monkeypatch):
     engine = make_engine(qwen2.path)
     expected = _snapshot(engine.generate(PROMPTS, PARAMS))
-    real_step, calls = engine.stepper.step, {"n": 0}
+    real_step, calls = engine.stepper.launch, {"n": 0}
 
-    def flaky(plan):
+    def flaky(plan, staged=False):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device fell over")
-        return real_step(plan)
+        return real_step(plan, staged)
 
-    monkeypatch.setattr(engine.stepper, "step", flaky)
+    monkeypatch.setattr(engine.stepper, "launch", flaky)
     with pytest.raises(RuntimeError, match="device fell over"):
         engine.generate(PROMPTS, PARAMS)
     assert engine.stats()["kv_pages_used"] == 0 and not engine.scheduler.requests
@@ -51,11 +51,11 @@ def test_a_step_every_request_fails_alone_is_the_steps_error_not_theirs(qwen2, m
     engine = make_engine(qwen2.path)
     calls = {"n": 0}
 
-    def broken(plan):
+    def broken(plan, staged=False):
         calls["n"] += 1
         raise RuntimeError(f"device fell over (step call {calls['n']})")
 
-    monkeypatch.setattr(engine.stepper, "step", broken)
+    monkeypatch.setattr(engine.stepper, "launch", broken)
     with pytest.raises(RuntimeError, match=r"\(step call 1\)"):
         engine.generate(PROMPTS, PARAMS)
     assert calls["n"] == 3  # the step, then each of the two requests' shares alone
@@ -67,17 +67,17 @@ def test_a_step_every_request_fails_alone_is_the_steps_error_not_theirs(qwen2, m
 def test_failure_of_one_caller_leaves_the_other_callers_exact(qwen2, monkeypatch):
     engine = make_engine(qwen2.path)
     expected = _snapshot(engine.generate(PROMPTS, PARAMS))
-    real_step = engine.stepper.step
+    real_step = engine.stepper.launch
     other_started, fail_now = threading.Event(), threading.Event()
     results = {}
 
-    def step(plan):
+    def step(plan, staged=False):
         if fail_now.is_set() and threading.current_thread().name == "failing":
             fail_now.clear()
             raise RuntimeError("injected")
-        return real_step(plan)
+        return real_step(plan, staged)
 
-    monkeypatch.setattr(engine.stepper, "step", step)
+    monkeypatch.setattr(engine.stepper, "launch", step)
 
     def failing():
         other_started.wait(30)

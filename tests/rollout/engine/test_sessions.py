@@ -302,16 +302,16 @@ def test_a_failed_step_fails_the_turn_and_the_session_goes_on(long_ckpt, monkeyp
     engine = make_engine(long_ckpt.path, max_seq_len=1024)
     sess = engine.session(list(range(3, 40)))
     sess.generate(params(3))
-    real_step = engine.stepper.step
+    real_step = engine.stepper.launch
     calls = {"n": 0}
 
-    def fail_third(plan):
+    def fail_third(plan, staged=False):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device lost")
-        return real_step(plan)
+        return real_step(plan, staged)
 
-    monkeypatch.setattr(engine.stepper, "step", fail_third)
+    monkeypatch.setattr(engine.stepper, "launch", fail_third)
     before = sess.token_ids
     with pytest.raises(RuntimeError, match="device lost"):
         sess.generate(params(6))
