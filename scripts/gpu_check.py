@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from rollout import Engine, SamplingParams
-from scripts import bench_real, gpu_kernels
+from scripts import bench_real, gpu_kernels, gpu_overlap
 from scripts.bench import (  # the bench-25m workload and its timers
     BENCH_25M,
     STOP_IDS,
@@ -234,6 +234,11 @@ def sections(root: Path, device: torch.device, smoke: bool) -> dict:
     )
     return {
         "parity": (lambda: parity(root, device, parity_model), 120, None),
+        "overlap": (
+            lambda: gpu_overlap.overlap(root, device, qwen_model, step_batches[::2], step_tokens, dtype, nano),
+            150,
+            None,
+        ),
         "kv_bf16": (lambda: kv_bf16(root, device, parity_model), 90, None),
         "bench_25m": (
             lambda: bench_25m(root, device, bench_model, prompts=prompts, n=8, max_tokens=max_tokens),
@@ -326,6 +331,22 @@ def print_table(r: dict) -> None:
                     f"{row['graphs_off_decode_step_s'] * 1e3:9.2f}"
                 )
         print(f"copy bandwidth {q['copy_bandwidth_gb_s']:.0f} GB/s, bf16 GEMM {q['bf16_gemm_tflop_s']:.1f} TFLOP/s")
+    print_overlap(r.get("overlap", {}))
+
+
+def print_overlap(o: dict) -> None:
+    """async_scheduling on against off: tokens/s, and the GPU's busy share in steady decode."""
+    if "error" in o or "skipped" in o:
+        print(f"overlap: {o.get('error', o.get('skipped', '')).strip().splitlines()[-1]}")
+        return
+    for name, row in o.items():
+        busy = " ".join(
+            f"{mode} busy {row[mode]['gpu_busy']:.0%}" for mode in ("async", "sync") if row[mode].get("gpu_busy")
+        )
+        print(
+            f"overlap {name:18} async {row['async']['tokens_per_s']:9.0f} tok/s, sync "
+            f"{row['sync']['tokens_per_s']:9.0f} ({row['speedup']:.2f}x) {busy}"
+        )
 
 
 def print_kernels(r: dict) -> None:

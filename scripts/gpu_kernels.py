@@ -196,15 +196,17 @@ def nano_vllm_workload(
 
 
 def nano_vllm(
-    path: Path, device: torch.device, vocab: int, seqs: int, max_len: int, dtype: str, kernels=KERNELS
-) -> dict:
+    path: Path, device: torch.device, vocab: int, seqs: int, max_len: int, dtype: str, kernels=KERNELS,
+    async_scheduling="auto",
+) -> dict:  # fmt: skip
     """Output tokens per second of the nano-vllm workload (temperature 0.6,
     `ignore_eos`, wall time including prefill), default engine settings with a
     2048-token context; one caller thread per prompt, as each has its own length."""
     prompts, lengths = nano_vllm_workload(seqs, max_len, max_len, vocab)
     out = {}
     for name in kernels:
-        engine = Engine(path, device=device, dtype=dtype, max_seq_len=2 * max_len, kernels=name)
+        engine = Engine(path, device=device, dtype=dtype, max_seq_len=2 * max_len, kernels=name,
+                        async_scheduling=async_scheduling)  # fmt: skip
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up, as nano-vllm's script does
         tokens, seconds = _nano_run(engine, prompts, lengths)
         assert tokens == sum(lengths), (tokens, sum(lengths))

@@ -32,6 +32,9 @@ def test_gpu_check_smoke_runs_every_check(tmp_path, capsys):
     assert kv["float32_pool_mean_abs_dlogprob"] < kv["bfloat16_pool_mean_abs_dlogprob"] < 0.05
     assert kv["float32_pool_mean_abs_dlogprob"] < kv["bfloat16_matmul_mean_abs_dlogprob"] < 0.05
     assert results["bench_25m"]["engine_tokens_per_s"] > 0 and results["bench_25m"]["transformers_tokens_per_s"] > 0
+    overlap = results["overlap"]  # async_scheduling on and off, the same work
+    assert overlap["nano_vllm"]["async"]["output_tokens"] == overlap["nano_vllm"]["sync"]["output_tokens"]
+    assert overlap["decode_batch_8"]["async"]["tokens_per_s"] > 0 and overlap["grpo"]["speedup"] > 0
     for batch in (16, 32):
         row = results["qwen2.5_0.5b"][f"batch_{batch}"]
         assert row["decode_step_s"] > 0 and row["floor_s"] > 0 and row["speedup"] > 0
