@@ -35,9 +35,12 @@ class KVManager:
         Returns False, changing nothing, when the pool cannot supply enough.
         """
         start = seq.num_computed_tokens
-        grow = self.pages_for(start + num_new) - len(seq.block_table)
+        table = seq.block_table
         first = start // self.page_size
-        cow = first < len(seq.block_table) and self.allocator.refcount(seq.block_table[first]) > 1
+        grow = self.pages_for(start + num_new) - len(table)
+        if grow <= 0 and self.allocator.refcount(table[first]) == 1:
+            return True  # a decode within its own last page: most rows of most steps
+        cow = first < len(table) and self.allocator.refcount(table[first]) > 1
         if grow + cow > self.allocator.num_free:
             return False
         if cow:

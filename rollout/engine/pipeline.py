@@ -29,11 +29,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from .inflight_io import Launched
 from .penalties import has_penalties
 from .plan import StepPlan
 from .scheduler import Scheduler
 from .step_failures import RequestFailures, by_request, find_culprits
-from .stepper import Launched, Stepper
+from .stepper import Stepper
 
 
 class InFlight(NamedTuple):

@@ -26,9 +26,10 @@ class ScheduledChunk:
 class StepPlan:
     """What one step computes."""
 
-    chunks: list[ScheduledChunk]  # in schedule order
+    chunks: list[ScheduledChunk]  # in schedule order; not changed once the plan is read
     page_copies: list[tuple[int, int]]  # (src, dst) copy-on-write page copies to run first
     version: int  # policy version the step runs under
+    _samplers: list[Sequence] | None = None  # `samplers`, listed once
 
     @property
     def num_tokens(self) -> int:
@@ -36,7 +37,10 @@ class StepPlan:
 
     @property
     def samplers(self) -> list[Sequence]:
-        return [s for c in self.chunks for s in c.samplers]
+        """The sequences that sample a token, in row order (listed at the first read)."""
+        if self._samplers is None:
+            self._samplers = [s for c in self.chunks for s in c.samplers]
+        return self._samplers
 
 
 # Per sampler row: its (token id, logprob) alternatives, best first, or None where the row asked for none.

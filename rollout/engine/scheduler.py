@@ -64,10 +64,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.pending and self._done_when_applied(seq):
-                i += 1  # its pending token is its last: nothing more to compute for it
-                continue
             n = min(seq.num_uncomputed_tokens, budget)
+            if n == 0 or seq.pending and seq.num_output_tokens + seq.pending >= seq.request.max_tokens:
+                # Its last step is in flight (a scored prompt, or a token that reaches `max_tokens`):
+                # it ends when that step is applied. (A stop token or string is seen only then,
+                # so a sample that stops computes one more token, dropped; see `apply`.)
+                i += 1
+                continue
             if self._reserve_or_preempt(seq, n, plan):
                 plan.chunks.append(self._chunk(seq, n, version))
                 budget -= n
@@ -78,14 +81,6 @@ class Scheduler:
             self._admit(plan, budget, version)
         plan.chunks.sort(key=lambda c: c.length == 1)  # prefills first: the layout attention expects
         return plan
-
-    @staticmethod
-    def _done_when_applied(seq: Sequence) -> bool:
-        """Whether `seq` ends once its pending token is applied, whatever the token: it hits
-        `max_tokens`, or it is scored only. (A stop token or string is seen only then, so a
-        sequence that samples one computes one more token, discarded; see `apply`.)"""
-        request = seq.request
-        return request.score_only or seq.num_output_tokens + seq.pending >= request.max_tokens
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         while not self.kv.reserve(seq, n, plan.page_copies):
@@ -138,13 +133,15 @@ class Scheduler:
         return self.kv.match_prefix(seq, version, limit)
 
     def _chunk(self, seq: Sequence, n: int, version: int) -> ScheduledChunk:
-        self.kv.register(seq, version, seq.num_computed_tokens + n)
-        samplers: list[Sequence] = []
-        if n == seq.num_uncomputed_tokens and not seq.request.score_only:
-            samplers.append(seq)
-            if seq.request.leader is seq:
-                samplers.extend(seq.request.pending_forks)
-        return ScheduledChunk(seq, seq.num_computed_tokens, n, samplers)
+        start = seq.num_computed_tokens
+        if seq.cacheable and (start + n) // self.kv.page_size > len(seq.page_keys):  # a page fills up
+            self.kv.register(seq, version, start + n)
+        request = seq.request
+        if n != seq.num_uncomputed_tokens or request.score_only:
+            return ScheduledChunk(seq, start, n, [])
+        if request.leader is seq:
+            return ScheduledChunk(seq, start, n, [seq, *request.pending_forks])
+        return ScheduledChunk(seq, start, n, [seq])
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s pages and queue it (first) for recompute from its tokens."""
@@ -161,16 +158,27 @@ class Scheduler:
         """What a launched step computes, before its tokens are known: the chunks'
         positions count as computed, the group members it samples for fork from
         their leader, and each sampled sequence has one token pending."""
+        computed = prompt = recomputed = 0
         for chunk in plan.chunks:
-            seq, end = chunk.seq, chunk.start + chunk.length
+            seq, start, length = chunk.seq, chunk.start, chunk.length
+            end = start + length
             seq.num_computed_tokens = end
-            self.stats.computed_tokens += chunk.length
-            self.stats.prompt_tokens += max(0, min(seq.num_prompt_tokens - chunk.start, chunk.length))
-            self.stats.recomputed_tokens += max(0, min(end, seq.kv_high_water) - chunk.start)
-            seq.kv_high_water = max(seq.kv_high_water, end)
-            for s in chunk.samplers:
-                if s is not seq:
-                    self._fork(seq, s)
+            computed += length
+            if start < seq.num_prompt_tokens:
+                prompt += min(seq.num_prompt_tokens - start, length)
+            high = seq.kv_high_water
+            if start < high:
+                recomputed += min(end, high) - start
+            if end > high:
+                seq.kv_high_water = end
+            if len(chunk.samplers) > 1:  # a group's leader and the members that fork from it
+                for s in chunk.samplers:
+                    if s is not seq:
+                        self._fork(seq, s)
+        stats = self.stats
+        stats.computed_tokens += computed
+        stats.prompt_tokens += prompt
+        stats.recomputed_tokens += recomputed
         for s in plan.samplers:
             s.pending += 1
 

@@ -29,6 +29,7 @@ from ..kernels.layer_ops import LayerOps
 from ..model.attention import AttentionMetadata, PrefillSpan
 from ..model.decoder import Model
 from .decode_graphs import DecodeGraphs, GraphKey
+from .inflight_io import Launched, Staging, feed_in_flight, to_device
 from .penalties import StepPenalties, has_penalties
 from .plan import ScheduledChunk, StepPlan, StepResult, TopLogprobs
 from .sampler import MODE_CODES, SAMPLING_FIELDS, SamplerFlags, SamplingBatch, sample, top_logprobs
@@ -41,17 +42,6 @@ class RowExtras(NamedTuple):
 
     top: TopLogprobs | None  # per sampler row; None: no row asked
     scores: list[SpanScores] | None  # per score span; None: the step had none
-
-
-class Launched(NamedTuple):
-    """A launched step: where its tokens and logprobs are read from once `ready`."""
-
-    num_rows: int
-    tokens: torch.Tensor  # the workspace's out buffer, or a staging copy when collected later
-    logprobs: torch.Tensor
-    ready: torch.cuda.Event | None  # recorded after the staging copy (CUDA); None: readable now
-    version: int
-    extras: RowExtras
 
 
 class SampledRows(NamedTuple):
@@ -109,8 +99,7 @@ class Stepper:
         self._reported: torch.Tensor | None = None  # with penalties: the logits each row's logprobs are reported in
         self._top: list[int] | None = None  # its rows' top_logprobs counts, when some row asks
         self._last_samplers: list[Sequence] = []  # the rows of the last launched step's out buffers
-        self._staging: list[tuple[torch.Tensor, torch.Tensor]] = []  # two (tokens, logprobs) buffers
-        self._next_staging = 0
+        self._staging = Staging(workspace)  # launched steps' tokens, and the fence on the host's inputs
         self.graphs = None
         if decode_graphs != "off":
             if scratch_page is None:
@@ -145,6 +134,7 @@ class Stepper:
         """Copy-on-write page copies, then the step's inputs into the workspace
         (a pure decode of the last step's sequences reuses them on the device)
         and its attention metadata."""
+        self._staging.wait_for_uploads()  # the last step's copies out of the pinned input buffers ran
         self._copy_pages(plan.page_copies)
         samplers = plan.samplers
         num_rows = len(samplers)
@@ -153,14 +143,15 @@ class Stepper:
             signature = TaskSignature(plan.version, tuple(s.seq_id for s in samplers))
             if not self.cache.prepare(signature, lambda: self._decode_rows(plan.chunks)):
                 self._read_batch(samplers)  # a hit keeps the last batch's facts, and its fed tokens
-                self._feed_in_flight(plan.chunks)
+                feed_in_flight(self.ws, plan.chunks, self._last_samplers)
             num_logits = num_rows
         else:
             num_logits = self._upload_general(plan.chunks)
-            self._feed_in_flight(plan.chunks)
+            feed_in_flight(self.ws, plan.chunks, self._last_samplers)
             self._read_batch(samplers)
             spans = score_spans(plan.chunks)
         meta = self._attention_metadata(plan.chunks)
+        self._staging.uploaded()
         self._penalized = samplers if any(has_penalties(s.request.params) for s in samplers) else None
         graph = None  # a graph keeps no logits, nor penalties (their histories change every step)
         if self.graphs is not None and signature is not None and self._top is None and self._penalized is None:
@@ -204,29 +195,8 @@ class Stepper:
         self._last_samplers = plan.samplers
         tokens, logprobs, ready = self.ws.view("out_tokens", n), self.ws.view("out_logprobs", n), None
         if staged:
-            tokens, logprobs, ready = self._stage(tokens, logprobs)
+            tokens, logprobs, ready = self._staging.stage(tokens, logprobs)
         return Launched(n, tokens, logprobs, ready, plan.version, extras)
-
-    def _stage(self, tokens: torch.Tensor, logprobs: torch.Tensor):
-        """Copy a step's tokens and logprobs to the next of two staging buffers (pinned host
-        memory on CUDA, copied without waiting, with an event that says when they landed)."""
-        if not self._staging:
-            rows, cuda = self.ws.buffer("out_tokens").shape[0], self.ws.device.type == "cuda"
-            self._staging = [
-                (torch.empty(rows, dtype=torch.int64, pin_memory=cuda), torch.empty(rows, pin_memory=cuda))
-                for _ in range(2)
-            ]
-        staged_tokens, staged_logprobs = self._staging[self._next_staging]
-        self._next_staging ^= 1
-        n = tokens.shape[0]
-        cuda = tokens.device.type == "cuda"
-        staged_tokens[:n].copy_(tokens, non_blocking=cuda)
-        staged_logprobs[:n].copy_(logprobs, non_blocking=cuda)
-        ready = None
-        if cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        return staged_tokens, staged_logprobs, ready
 
     def invalidate(self) -> None:
         """Forget device-side state carried between steps (after a failed step)."""
@@ -243,27 +213,10 @@ class Stepper:
         self._graph_sampled.clear()
         self._sampled = None
 
-    def _feed_in_flight(self, chunks: list[ScheduledChunk]) -> None:
-        """Rows whose input is a token the last launched step sampled (its result not
-        collected yet) take it from that step's out buffer, on the device."""
-        dst, src, offset, rows = [], [], 0, None
-        for c in chunks:
-            offset += c.length
-            if c.start + c.length > c.seq.num_tokens:  # its last input is still on the device
-                if rows is None:
-                    rows = {s.seq_id: r for r, s in enumerate(self._last_samplers)}
-                dst.append(offset - 1)
-                src.append(rows[c.seq.seq_id])
-        if dst:
-            device = self.ws.device
-            sampled = self.ws.buffer("out_tokens").index_select(0, torch.tensor(src, device=device))
-            self.ws.buffer("input_ids").index_copy_(0, torch.tensor(dst, device=device), sampled)
-
     def _copy_pages(self, page_copies: list[tuple[int, int]]) -> None:
         if page_copies:
             src, dst = zip(*page_copies, strict=True)
-            dev = self.kv.k.device
-            self.kv.copy_pages(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+            self.kv.copy_pages(to_device(src, self.ws.device), to_device(dst, self.ws.device))
 
     def _forward(
         self,
@@ -353,7 +306,7 @@ class Stepper:
         seqs = [c.seq for c in chunks]
         positions = [c.start for c in chunks]
         rows = list(range(len(seqs)))
-        in_flight = [r for r, s in enumerate(seqs) if s.pending]  # fed on the device, see `_feed_in_flight`
+        in_flight = [r for r, s in enumerate(seqs) if s.pending]  # fed on the device, see `feed_in_flight`
         return DecodeRows(
             input_ids=[s.token_ids[-1] if not s.pending else 0 for s in seqs],
             positions=positions,

@@ -186,3 +186,16 @@ def test_abort_and_a_failed_step_leave_the_lagged_engine_exact(qwen2, monkeypatc
     assert lagged.stats()["kv_pages_used"] == 0 and not lagged.scheduler.requests
     assert lagged.stepper._last_samplers is not None and lagged._pipeline.inflight is None
     assert _snapshot(lagged.generate(PROMPTS, params)) == full
+
+
+def test_scores_and_prompt_logprobs_equal_the_synchronous_engine(qwen2):
+    """Scored prompts end when their last chunk is applied: nothing is scheduled for them meanwhile."""
+    sync, lagged = _pair(qwen2.path, max_step_tokens=32)  # prompts of 40 tokens take two chunks
+    sequences = [list(range(3, 43)), [7, 8, 9, 10], list(range(50, 70))]
+    scored = [[(s.token_ids, s.logprobs, s.top_logprobs) for s in e.score(sequences, 2)] for e in (sync, lagged)]
+    assert scored[1] == scored[0]
+    params = SamplingParams(n=2, max_tokens=6, seed=2, ignore_eos=True, prompt_logprobs=1)
+    outs = [e.generate(sequences, params) for e in (sync, lagged)]
+    assert _snapshot(outs[1]) == _snapshot(outs[0])
+    assert [o.prompt_logprobs for o in outs[1]] == [o.prompt_logprobs for o in outs[0]]
+    assert lagged.stats()["kv_pages_used"] == 0
