@@ -61,25 +61,31 @@ class Scheduler:
         plan = StepPlan([], [], version)
         budget = self.max_step_tokens
         preempted = False
+        ps, refcount = self.kv.page_size, self.kv.allocator.refcount
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            computed = seq.num_computed_tokens
+            left = len(seq.token_ids) + seq.pending - computed
+            n = min(left, budget)
             if n == 0 or seq.pending and seq.num_output_tokens + seq.pending >= seq.request.max_tokens:
                 # Its last step is in flight (a scored prompt, or a token that reaches `max_tokens`):
                 # it ends when that step is applied. (A stop token or string is seen only then,
                 # so a sample that stops computes one more token, dropped; see `apply`.)
                 i += 1
                 continue
-            if self._reserve_or_preempt(seq, n, plan):
-                plan.chunks.append(self._chunk(seq, n, version))
+            # A decode inside a page of its own needs no reservation: most rows of most steps.
+            mid_page = n == 1 and computed % ps and refcount(seq.block_table[computed // ps]) == 1
+            if mid_page or self._reserve_or_preempt(seq, n, plan):
+                plan.chunks.append(self._chunk(seq, n, version, n == left))
                 budget -= n
                 i += 1
             else:
                 preempted = True
         if not preempted:
             self._admit(plan, budget, version)
-        plan.chunks.sort(key=lambda c: c.length == 1)  # prefills first: the layout attention expects
+        if any(c.length > 1 for c in plan.chunks):
+            plan.chunks.sort(key=lambda c: c.length == 1)  # prefills first: the layout attention expects
         return plan
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
@@ -124,7 +130,7 @@ class Scheduler:
             request.started = True
             used += 1 + forks
             self.running.append(seq)
-            plan.chunks.append(self._chunk(seq, n, version))
+            plan.chunks.append(self._chunk(seq, n, version, n == seq.num_uncomputed_tokens))
             budget -= n
 
     def _match_prefix(self, seq: Sequence, version: int) -> int:
@@ -132,12 +138,14 @@ class Scheduler:
         limit = seq.num_tokens - 1 if scores is None else scores.cache_limit(seq.num_tokens)
         return self.kv.match_prefix(seq, version, limit)
 
-    def _chunk(self, seq: Sequence, n: int, version: int) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, n: int, version: int, last: bool) -> ScheduledChunk:
+        """`n` tokens of `seq` from its first uncomputed one; `last`: they are all it has
+        left, so the chunk samples (for its group's pending members too, from their leader)."""
         start = seq.num_computed_tokens
         if seq.cacheable and (start + n) // self.kv.page_size > len(seq.page_keys):  # a page fills up
             self.kv.register(seq, version, start + n)
         request = seq.request
-        if n != seq.num_uncomputed_tokens or request.score_only:
+        if not last or request.score_only:
             return ScheduledChunk(seq, start, n, [])
         if request.leader is seq:
             return ScheduledChunk(seq, start, n, [seq, *request.pending_forks])
@@ -196,15 +204,21 @@ class Scheduler:
                 request.prompt_scores.finish(result.version)
                 if request.score_only and not seq.is_finished:
                     finished.append((seq, "stop"))
-        top = result.top or [None] * len(result.tokens)
-        for s, token, logprob, alternatives in zip(plan.samplers, result.tokens, result.logprobs, top, strict=True):
+        version, top = result.version, result.top
+        for r, (s, token) in enumerate(zip(plan.samplers, result.tokens, strict=True)):  # stop checks inlined
             s.pending -= 1
-            if s.is_finished:
+            if s.status is SeqStatus.FINISHED:
                 continue
-            s.append(token, logprob, result.version, alternatives)
-            reason = self._finish_reason(s, token)
-            if reason is not None:
-                finished.append((s, reason))
+            s.append(token, result.logprobs[r], version, None if top is None else top[r])
+            request = s.request
+            if (
+                token in request.stop_token_ids
+                or request.longest_stop
+                or (len(s.token_ids) - len(request.prompt_token_ids) >= request.max_tokens)
+            ):
+                reason = self._finish_reason(s, token)
+                if reason is not None:
+                    finished.append((s, reason))
         for s, reason in finished:
             self.finish(s, reason)
 

@@ -86,6 +86,8 @@ class Sequence:
         """Record why the sample ended, then publish it as finished: the status
         is written last, so whoever sees FINISHED also sees the reason."""
         self.finish_reason = reason
+        if self.status is not SeqStatus.FINISHED:
+            self.request.num_finished += 1
         self.status = SeqStatus.FINISHED
 
     def append(
@@ -130,13 +132,14 @@ class Request:
     score_only: bool = False  # `Engine.score`: the prompt's logprobs are the result; nothing is sampled
     prompt_scores: PromptScores | None = None  # the prompt's logprobs when the params ask (see `scoring`)
     longest_stop: int = field(init=False)  # characters in the params' longest stop string (0: none)
+    num_finished: int = 0  # samples finished (`is_finished` asks every step: a count, not a walk)
 
     def __post_init__(self) -> None:
         self.longest_stop = max(map(len, self.params.stop or ()), default=0)  # the stop matcher asks every token
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.samples)
+        return self.num_finished >= len(self.samples)
 
     def group(self, members: list[Sequence]) -> None:
         """Make members[0] the leader that prefills the prompt once; the rest
