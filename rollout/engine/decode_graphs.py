@@ -159,6 +159,7 @@ class DecodeGraphs:
             self.ws.buffer("slot_mapping")[pad] = self.scratch_slot
             self.ws.buffer("logit_rows")[pad] = self._iota[pad]
             self.ws.buffer("block_tables")[pad, : self.page_buckets[-1]] = self.scratch_page
+            self.ws.tables.forget(rows, key.rows)  # the decode rows' tables are written again when used
         self._padded = (rows, key.rows)
 
     def invalidate(self) -> None:

@@ -19,7 +19,7 @@ import torch
 from workspace import DecodeCache, DecodeRows, InferenceWorkspace, KVPool, TaskSignature
 
 from ..kernels.layer_ops import LayerOps
-from ..model.attention import AttentionMetadata, PrefillSpan
+from ..model.attention import AttentionMetadata
 from ..model.decoder import Model
 from .decode_graphs import DecodeGraphs, GraphKey
 from .penalties import StepPenalties, has_penalties
@@ -27,6 +27,7 @@ from .plan import ScheduledChunk, StepPlan, StepResult, TopLogprobs
 from .sampler import MODE_CODES, SAMPLING_FIELDS, SamplerFlags, SamplingBatch, sample, top_logprobs
 from .scoring import ScoreSpan, SpanScores, compute_scores, score_spans
 from .sequence import Sequence
+from .step_metadata import attention_metadata
 
 
 class RowExtras(NamedTuple):
@@ -313,33 +314,10 @@ class Stepper:
         return len(logit_rows)
 
     def _attention_metadata(self, chunks: list[ScheduledChunk]) -> AttentionMetadata:
-        ps = self.page_size
-        slots: list[int] = []
-        prefills: list[PrefillSpan] = []
-        decode_tables: list[list[int]] = []
-        device = self.ws.device
-        for c in chunks:
-            table = c.seq.block_table
-            if c.length == 1:  # most rows of most steps
-                page, offset = divmod(c.start, ps)
-                slots.append(table[page] * ps + offset)
-                decode_tables.append(table[: page + 1])
-                continue
-            slots.extend(table[p // ps] * ps + p % ps for p in range(c.start, c.start + c.length))
-            block = torch.tensor(table[: -(-(c.start + c.length) // ps)], dtype=torch.int64, device=device)
-            prefills.append(PrefillSpan(len(slots) - c.length, c.length, c.start + c.length, block))
-        num_decodes = len(decode_tables)
-        width = max((len(t) for t in decode_tables), default=0)
-        return AttentionMetadata(
-            slot_mapping=self.ws.upload("slot_mapping", slots),
-            prefills=prefills,
-            num_prefill_tokens=len(slots) - num_decodes,
-            num_decodes=num_decodes,
-            decode_block_tables=self.ws.upload_block_tables(decode_tables, width) if num_decodes else None,
-            decode_context_lens=self.ws.view("context_lens", num_decodes) if num_decodes else None,
-            decode_kernel=self.decode_kernel,
-            prefill_kernel=self.prefill_kernel,
-        )
+        """Slots and decode block tables on the device (see `step_metadata`); checked against
+        the host-built ones in the decode cache's debug mode."""
+        kernels = (self.decode_kernel, self.prefill_kernel)
+        return attention_metadata(self.ws, chunks, self.page_size, *kernels, check=self.cache.debug)
 
     def _sampling_batch(self, n: int, flags: SamplerFlags) -> SamplingBatch:
         return SamplingBatch(**{name: self.ws.view(name, n) for name in SAMPLING_FIELDS}, flags=flags)
