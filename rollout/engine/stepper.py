@@ -146,7 +146,7 @@ class Stepper:
         self._reported = None  # set again by a forward with penalised rows; a graph never has any
         if prepared.graph is not None:
             self.graphs.run(prepared.num_rows, prepared.graph)
-            self._sampled = sampled = self._graph_sampled.get(prepared.graph)
+            self._sampled = sampled = self._graph_sampled.get(prepared.graph, self._sampled)
             plan.graph = True
             top = prepared.top  # from the graph's logits, after the replay
             return RowExtras(None if top is None else self._top_rows(sampled.logits, sampled.batch, top), None)
@@ -260,7 +260,8 @@ class Stepper:
             prefill_kernel=self.prefill_kernel,
         )
         self._forward(n, meta, n, n, key.flags, keep=True)
-        self._graph_sampled[key] = self._sampled  # under capture: the graph's own tensors, each replay refills
+        if self.graphs.mode == "cuda":  # under capture: the graph's own tensors, which each replay refills
+            self._graph_sampled[key] = self._sampled  # ("eager" keeps only the last step's, in `_sampled`)
 
     def _resample_uncovered(self, n: int) -> None:
         """Rows whose kept set the device sampler's candidates may not cover are
