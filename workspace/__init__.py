@@ -2,6 +2,7 @@
 its page allocator, the preallocated per-step buffers and the decode cache.
 Nothing here knows the engine."""
 
+from .block_tables import BlockTables, decode_slots
 from .decode_cache import DecodeCache, DecodeCacheMismatch, DecodeRows, TaskSignature
 from .inference_workspace import BUFFER_NAMES, InferenceWorkspace, WorkspaceShape
 from .kv_pool import KVPool
@@ -9,6 +10,7 @@ from .page_allocator import PageAllocator, page_hash
 
 __all__ = [
     "BUFFER_NAMES",
+    "BlockTables",
     "DecodeCache",
     "DecodeCacheMismatch",
     "DecodeRows",
@@ -17,5 +19,6 @@ __all__ = [
     "PageAllocator",
     "TaskSignature",
     "WorkspaceShape",
+    "decode_slots",
     "page_hash",
 ]

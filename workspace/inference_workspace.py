@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .block_tables import BlockTables
+
 
 @dataclass(frozen=True, slots=True)
 class WorkspaceShape:
@@ -78,6 +80,7 @@ class InferenceWorkspace:
             self._host[name] = host
             self._host_np[name] = host.numpy()
         self._separate_host = pin
+        self.tables = BlockTables(self._host["block_tables"], self._dev["block_tables"], pin)  # decode rows' tables
 
     @property
     def pinned(self) -> bool:
@@ -111,6 +114,7 @@ class InferenceWorkspace:
             raise ValueError(f"block table width {width} exceeds max_pages_per_seq {self.shape.max_pages_per_seq}")
         host = self._host_np["block_tables"]
         n = len(tables)
+        self.tables.forget(0, n)  # rows written here, not through `tables`
         host[:n, :width] = 0
         for i, row in enumerate(tables):
             host[i, : len(row)] = row

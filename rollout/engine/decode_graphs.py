@@ -2,7 +2,8 @@
 
 A pure-decode step (every scheduled sequence decodes one token) of `B` rows
 whose block tables are `W` pages wide replays the graph captured for the
-smallest batch bucket >= B and width bucket >= W, over the workspace's fixed
+smallest batch bucket >= B (1, 2, 4, then every 8 rows: `row_buckets`) and
+width bucket >= W (powers of two), over the workspace's fixed
 buffers: the decode cache has already put the step's inputs there, so the
 step costs one replay instead of hundreds of kernel launches. Rows past `B`
 are padding: each writes its key to the pool's scratch page, attends to that
@@ -70,11 +71,21 @@ class GraphKey:
 
 
 def buckets(limit: int) -> tuple[int, ...]:
-    """Powers of two below `limit`, then `limit`: 1, 2, 4, ..., limit."""
+    """Powers of two below `limit`, then `limit`: 1, 2, 4, ..., limit (the block-table widths)."""
     out, size = [], 1
     while size < limit:
         out.append(size)
         size *= 2
+    return (*out, limit)
+
+
+ROW_STEP = 8  # batch buckets past 8 rows are this far apart
+
+
+def row_buckets(limit: int) -> tuple[int, ...]:
+    """Batch buckets: 1, 2, 4, then every 8 rows (8, 16, 24, ...) below `limit`, then `limit`
+    (vLLM's capture sizes): a step pads at most 7 rows, where powers of two pad up to half the batch."""
+    out = [s for s in (1, 2, 4) if s < limit] + list(range(ROW_STEP, limit, ROW_STEP))
     return (*out, limit)
 
 
@@ -110,7 +121,7 @@ class DecodeGraphs:
         self._forward = forward
         self.scratch_page = scratch_page
         self.scratch_slot = scratch_page * page_size
-        self.row_buckets = buckets(workspace.shape.max_rows)
+        self.row_buckets = row_buckets(workspace.shape.max_rows)
         self.page_buckets = buckets(workspace.shape.max_pages_per_seq)
         if fixed_width:  # attention reads tables of any width (stopping at each row's length): one bucket
             self.page_buckets = self.page_buckets[-1:]
@@ -121,6 +132,8 @@ class DecodeGraphs:
         self._iota = torch.arange(workspace.shape.max_rows, device=workspace.device)
         self._padded: tuple[int, int] | None = None  # (rows, bucket) the padding rows are laid out for
         self.replays = 0  # steps served by a captured graph (or its eager stand-in)
+        self.eager_steps = 0  # steps the eager forward served instead: prefill chunks, or no graph for the step
+        self.eager_decodes = 0  # of those, pure decodes (penalties, beyond the buckets or the graph budget)
 
     def key(self, rows: int, width: int, flags: SamplerFlags) -> GraphKey | None:
         """The graph for a step of `rows` rows and `width`-page block tables;
@@ -159,7 +172,15 @@ class DecodeGraphs:
             self.ws.buffer("slot_mapping")[pad] = self.scratch_slot
             self.ws.buffer("logit_rows")[pad] = self._iota[pad]
             self.ws.buffer("block_tables")[pad, : self.page_buckets[-1]] = self.scratch_page
+            self.ws.tables.forget(rows, key.rows)  # the decode rows' tables are written again when used
         self._padded = (rows, key.rows)
+
+    def ran_eagerly(self, decode: bool) -> None:
+        """A step ran outside the graphs (`decode`: a pure decode): count it, and pad again
+        before the next replay, as its uploads may have overwritten the padding rows."""
+        self.eager_steps += 1
+        self.eager_decodes += decode
+        self.invalidate()
 
     def invalidate(self) -> None:
         """A step outside the graphs wrote the workspace: pad again before the next replay."""
@@ -216,6 +237,8 @@ def graph_stats(graphs: DecodeGraphs | None) -> dict[str, int]:
     """Counters for `Engine.stats()`; zeros when the engine runs without graphs."""
     return {
         "decode_graph_replays": graphs.replays if graphs else 0,
+        "decode_graph_eager_steps": graphs.eager_steps if graphs else 0,
+        "decode_graph_eager_decodes": graphs.eager_decodes if graphs else 0,
         "decode_graphs_captured": graphs.num_graphs if graphs else 0,
         "decode_graph_capture_failures": len(graphs.capture_failures) if graphs else 0,
     }

@@ -30,6 +30,7 @@ class StepPlan:
     page_copies: list[tuple[int, int]]  # (src, dst) copy-on-write page copies to run first
     version: int  # policy version the step runs under
     _samplers: list[Sequence] | None = None  # `samplers`, listed once
+    graph: bool = False  # set by the stepper: a decode graph served the step (captured, or its eager stand-in)
 
     @property
     def num_tokens(self) -> int:

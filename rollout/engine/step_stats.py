@@ -36,6 +36,7 @@ class StepInfo:
     num_running: int  # sequences holding KV after the step
     num_waiting: int  # sequences queued for (re)admission
     kv_pages_used: int  # KV pages held after the step
+    graph: bool = False  # a decode graph served the step (see `rollout.engine.decode_graphs`); False: eager
 
     @classmethod
     def read(cls, started: float, plan: StepPlan, scheduler: Scheduler) -> StepInfo:
@@ -54,6 +55,7 @@ class StepInfo:
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             kv_pages_used=scheduler.kv.allocator.num_used,
+            graph=plan.graph,
         )
 
 

@@ -26,7 +26,7 @@ import torch
 from workspace import DecodeCache, DecodeRows, InferenceWorkspace, KVPool, TaskSignature
 
 from ..kernels.layer_ops import LayerOps
-from ..model.attention import AttentionMetadata, PrefillSpan
+from ..model.attention import AttentionMetadata
 from ..model.decoder import Model
 from .decode_graphs import DecodeGraphs, GraphKey
 from .inflight_io import Launched, Staging, feed_in_flight, to_device
@@ -35,6 +35,7 @@ from .plan import ScheduledChunk, StepPlan, StepResult, TopLogprobs
 from .sampler import MODE_CODES, SAMPLING_FIELDS, SamplerFlags, SamplingBatch, sample, top_logprobs
 from .scoring import ScoreSpan, SpanScores, compute_scores, score_spans
 from .sequence import Sequence
+from .step_metadata import attention_metadata
 
 
 class RowExtras(NamedTuple):
@@ -92,7 +93,7 @@ class Stepper:
         self.prefill_kernel = kernels.paged_prefill if kernels is not None else None
         self.sample_kernel = kernels.sample_rows if kernels is not None else None
         self.device_sample = kernels.device_sample if kernels is not None else None
-        self._sampled: SampledRows | None = None  # the last forward's logits, for `_resample_uncovered`
+        self._sampled: SampledRows | None = None  # the last forward's logits: `_resample_uncovered`, a graph's top rows
         self._graph_sampled: dict[GraphKey, SampledRows] = {}  # the same, per decode graph (its static tensors)
         self._flags = SamplerFlags(False, False, False)  # of the batch whose inputs the workspace holds
         self._penalized: list[Sequence] | None = None  # this step's rows when some have penalties
@@ -153,8 +154,8 @@ class Stepper:
         meta = self._attention_metadata(plan.chunks)
         self._staging.uploaded()
         self._penalized = samplers if any(has_penalties(s.request.params) for s in samplers) else None
-        graph = None  # a graph keeps no logits, nor penalties (their histories change every step)
-        if self.graphs is not None and signature is not None and self._top is None and self._penalized is None:
+        graph = None  # a graph takes no penalties (their histories change every step)
+        if self.graphs is not None and signature is not None and self._penalized is None:
             graph = self.graphs.key(num_rows, meta.decode_block_tables.shape[1], self._flags)
         return PreparedStep(meta, num_rows, num_logits, self._flags, signature, graph, self._top, spans)
 
@@ -173,10 +174,12 @@ class Stepper:
         self._reported = None  # set again by a forward with penalised rows; a graph never has any
         if prepared.graph is not None:
             self.graphs.run(prepared.num_rows, prepared.graph)
-            self._sampled = self._graph_sampled.get(prepared.graph)
-            return RowExtras(None, None)
+            self._sampled = sampled = self._graph_sampled.get(prepared.graph, self._sampled)
+            plan.graph = True
+            top = prepared.top  # from the graph's logits, after the replay
+            return RowExtras(None if top is None else self._top_rows(sampled.logits, sampled.batch, top), None)
         if self.graphs is not None:
-            self.graphs.invalidate()  # this step's uploads may have overwritten the padding rows
+            self.graphs.ran_eagerly(decode=prepared.signature is not None)
         p = prepared
         return self._forward(plan.num_tokens, p.meta, p.num_logits, p.num_rows, p.flags, p.top, p.spans)
 
@@ -227,10 +230,12 @@ class Stepper:
         flags: SamplerFlags,
         top: list[int] | None = None,
         spans: list[ScoreSpan] | None = None,
+        keep: bool = False,
     ) -> RowExtras:
         """Model and sampler over the workspace's first rows; tokens and logprobs land in its
         out buffers. With `top` (per row, how many), the rows that ask get their top logprobs;
-        with `spans`, their rows' logits score the prompt tokens that follow them."""
+        with `spans`, their rows' logits score the prompt tokens that follow them. With `keep`
+        (a graph's step), the logits and sampling rows stay in `_sampled`."""
         ws = self.ws
         ids, positions = ws.view("input_ids", num_tokens), ws.view("positions", num_tokens)
         scores = None
@@ -250,19 +255,23 @@ class Stepper:
             logits, self._reported = penalties.apply(logits)
         if self.device_sample is not None:
             self.device_sample(logits, batch, tokens, logprobs, ws.view("out_covered", num_rows))
-            self._sampled = SampledRows(logits, batch)
         else:
             sample(logits, batch, tokens, logprobs, self.sample_kernel)
+        if self.device_sample is not None or keep:
+            self._sampled = SampledRows(logits, batch)
         if top is None:
             return RowExtras(None, scores)
+        return RowExtras(self._top_rows(logits if self._reported is None else self._reported, batch, top), scores)
+
+    def _top_rows(self, logits: torch.Tensor, batch: SamplingBatch, top: list[int]) -> TopLogprobs:
+        """Per row of `top` (how many it asks for), its top logprobs from `logits`' first rows."""
         rows = [r for r, k in enumerate(top) if k]
         index = torch.tensor(rows, device=logits.device)
-        reported = logits if self._reported is None else self._reported
-        ids, values = top_logprobs(reported.index_select(0, index), batch.rows(index), max(top))
-        out: TopLogprobs = [None] * num_rows
+        ids, values = top_logprobs(logits.index_select(0, index), batch.rows(index), max(top))
+        out: TopLogprobs = [None] * len(top)
         for r, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
             out[r] = tuple(zip(row_ids[: top[r]], row_values[: top[r]], strict=True))
-        return RowExtras(out, scores)
+        return out
 
     def _padded_decode(self, key: GraphKey) -> None:
         """One decode step over the first `key.rows` workspace rows, as captured in a graph."""
@@ -277,9 +286,9 @@ class Stepper:
             decode_kernel=self.decode_kernel,
             prefill_kernel=self.prefill_kernel,
         )
-        self._forward(n, meta, n, n, key.flags)
-        if self._sampled is not None:  # under capture: the graph's own tensors, which each replay refills
-            self._graph_sampled[key] = self._sampled
+        self._forward(n, meta, n, n, key.flags, keep=True)
+        if self.graphs.mode == "cuda":  # under capture: the graph's own tensors, which each replay refills
+            self._graph_sampled[key] = self._sampled  # ("eager" keeps only the last step's, in `_sampled`)
 
     def _resample_uncovered(self, n: int) -> None:
         """Rows whose kept set the device sampler's candidates may not cover are
@@ -344,33 +353,10 @@ class Stepper:
         return len(logit_rows)
 
     def _attention_metadata(self, chunks: list[ScheduledChunk]) -> AttentionMetadata:
-        ps = self.page_size
-        slots: list[int] = []
-        prefills: list[PrefillSpan] = []
-        decode_tables: list[list[int]] = []
-        device = self.ws.device
-        for c in chunks:
-            table = c.seq.block_table
-            if c.length == 1:  # most rows of most steps
-                page, offset = divmod(c.start, ps)
-                slots.append(table[page] * ps + offset)
-                decode_tables.append(table[: page + 1])
-                continue
-            slots.extend(table[p // ps] * ps + p % ps for p in range(c.start, c.start + c.length))
-            block = torch.tensor(table[: -(-(c.start + c.length) // ps)], dtype=torch.int64, device=device)
-            prefills.append(PrefillSpan(len(slots) - c.length, c.length, c.start + c.length, block))
-        num_decodes = len(decode_tables)
-        width = max((len(t) for t in decode_tables), default=0)
-        return AttentionMetadata(
-            slot_mapping=self.ws.upload("slot_mapping", slots),
-            prefills=prefills,
-            num_prefill_tokens=len(slots) - num_decodes,
-            num_decodes=num_decodes,
-            decode_block_tables=self.ws.upload_block_tables(decode_tables, width) if num_decodes else None,
-            decode_context_lens=self.ws.view("context_lens", num_decodes) if num_decodes else None,
-            decode_kernel=self.decode_kernel,
-            prefill_kernel=self.prefill_kernel,
-        )
+        """Slots and decode block tables on the device (see `step_metadata`); checked against
+        the host-built ones in the decode cache's debug mode."""
+        kernels = (self.decode_kernel, self.prefill_kernel)
+        return attention_metadata(self.ws, chunks, self.page_size, *kernels, check=self.cache.debug)
 
     def _sampling_batch(self, n: int, flags: SamplerFlags) -> SamplingBatch:
         return SamplingBatch(**{name: self.ws.view(name, n) for name in SAMPLING_FIELDS}, flags=flags)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollout import Engine, SamplingParams
-from rollout.engine.decode_graphs import DecodeGraphs, GraphKey, bucket_for, buckets, resolve_mode
+from rollout.engine.decode_graphs import DecodeGraphs, GraphKey, bucket_for, buckets, resolve_mode, row_buckets
 from rollout.engine.sampler import SamplerFlags
 from tests.conftest import make_engine
 from tests.factories import hf_logprobs
@@ -20,15 +20,20 @@ PROMPTS = [list(range(3, 3 + k)) for k in (5, 9, 17, 30, 6)]
 MIXED = [
     SamplingParams(n=3, max_tokens=20, seed=1, stop_token_ids=list(range(40, 60)), logprobs_mode="raw"),
     SamplingParams(n=2, max_tokens=14, seed=2, top_k=20, top_p=0.9, ignore_eos=True),
-    SamplingParams(n=1, max_tokens=9, temperature=0.0, ignore_eos=True),
+    SamplingParams(n=1, max_tokens=9, temperature=0.0, ignore_eos=True, top_logprobs=3),  # served by graphs too
 ]
 
 
-def test_buckets_are_powers_of_two_capped_by_the_limit():
+def test_width_buckets_are_powers_of_two_and_batch_buckets_every_8_rows():
     assert buckets(1) == (1,)
     assert buckets(6) == (1, 2, 4, 6)
     assert buckets(8) == (1, 2, 4, 8)
     assert bucket_for(3, buckets(6)) == 4 and bucket_for(5, buckets(6)) == 6 and bucket_for(7, buckets(6)) is None
+    assert row_buckets(1) == (1,) and row_buckets(3) == (1, 2, 3) and row_buckets(6) == (1, 2, 4, 6)
+    assert row_buckets(8) == (1, 2, 4, 8) and row_buckets(20) == (1, 2, 4, 8, 16, 20)
+    assert row_buckets(256) == (1, 2, 4, *range(8, 257, 8))
+    sizes = row_buckets(256)
+    assert [bucket_for(n, sizes) for n in (3, 5, 9, 17, 129, 250)] == [4, 8, 16, 24, 136, 256]
 
 
 def test_modes_resolve_per_device():
@@ -87,14 +92,22 @@ def _run(engine: Engine):
 
 
 def _flatten(runs):
-    return [(o.prompt_token_ids, s.token_ids, s.logprobs) for outs in runs for o in outs for s in o.samples]
+    return [
+        (o.prompt_token_ids, s.token_ids, s.logprobs, s.top_logprobs) for outs in runs for o in outs for s in o.samples
+    ]
 
 
 def _assert_same(graphs, eager, atol=1e-5):
     assert len(graphs) == len(eager)
-    for (p1, t1, l1), (p2, t2, l2) in zip(graphs, eager, strict=True):
+    for (p1, t1, l1, top1), (p2, t2, l2, top2) in zip(graphs, eager, strict=True):
         assert p1 == p2 and t1 == t2
         torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), atol=atol, rtol=0)
+        assert (top1 is None) == (top2 is None)
+        for a, b in zip(top1 or (), top2 or (), strict=True):
+            assert [t for t, _ in a] == [t for t, _ in b]
+            torch.testing.assert_close(
+                torch.tensor([v for _, v in a]), torch.tensor([v for _, v in b]), atol=atol, rtol=0
+            )
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])  # "torch": the ops a CUDA engine runs (gathered pages, SDPA)
@@ -107,6 +120,12 @@ def test_padded_graph_steps_match_the_eager_path_and_transformers(qwen2, kernels
     _assert_same(_flatten(runs), _flatten(_run(eager)))
     stats = graphed.stats()
     assert stats["decode_graph_replays"] > 20 and stats["decode_cache_hits"] > 0
+    # Every pure decode fits a bucket (rows 1, 2, 4, 8, 12), top logprobs included: only prefills run eagerly.
+    log = graphed.step_log()
+    assert stats["decode_graph_replays"] == sum(info.graph for info in log)
+    assert stats["decode_graph_eager_steps"] == len(log) - stats["decode_graph_replays"] > 0
+    assert stats["decode_graph_eager_decodes"] == 0
+    assert runs[2][0].samples[0].top_logprobs is not None
     raw = runs[0]  # logprobs_mode="raw": plain log-softmax of the model, comparable to transformers
     for out in raw:
         for s in out.samples:
@@ -123,7 +142,7 @@ def test_graph_steps_serve_weight_updates(qwen2):
     eager.update_weights(state)
     runs = _run(graphed)
     after = _flatten(runs)
-    assert [t for _, t, _ in after] != [t for _, t, _ in before]
+    assert [t for _, t, _, _ in after] != [t for _, t, _, _ in before]
     _assert_same(after, _flatten(_run(eager)))
     updated = copy.deepcopy(qwen2.hf)  # the independent reference: transformers with the pushed weights
     updated.load_state_dict(state, strict=False)

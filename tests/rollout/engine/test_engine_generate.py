@@ -78,9 +78,14 @@ def test_tiny_kv_budget_preempts_and_matches_unconstrained_run(qwen2):
     params = SamplingParams(n=4, max_tokens=40, ignore_eos=True)
     prompts = [LONG, SHORT, LONG[:20]]
     free = make_engine(qwen2.path, seed=9).generate(prompts, params)
-    tight_engine = make_engine(qwen2.path, seed=9, kv_cache_tokens=10 * 16)
+    # The debug mode also checks each step's device-built slots and block tables against the host's:
+    # pages cross every 16 tokens, forks copy their last page on write, preemptions and finishes move rows.
+    tight_engine = make_engine(qwen2.path, seed=9, kv_cache_tokens=10 * 16, debug_decode_cache=True)
     tight = tight_engine.generate(prompts, params)
     assert tight_engine.stats()["preemptions"] > 0
+    tables = tight_engine.workspace.tables
+    decode_rows = sum(info.num_sampled for info in tight_engine.step_log() if info.num_tokens == info.num_sampled)
+    assert 0 < tables.rows_written < decode_rows / 4  # rows are written when they change, not every step
     assert _tokens(tight) == _tokens(free)
     for a, b in zip(free, tight, strict=True):
         for sa, sb in zip(a.samples, b.samples, strict=True):

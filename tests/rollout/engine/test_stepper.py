@@ -14,6 +14,7 @@ from rollout.engine.plan import ScheduledChunk, StepPlan, StepResult
 from rollout.engine.sequence import Request, Sequence
 from tests.conftest import make_engine
 from tests.factories import hf_logprobs
+from workspace import DecodeCacheMismatch
 
 PROMPT_A = [3, 14, 15, 92, 65, 35, 8, 9, 7, 9, 32, 38, 46, 26, 43, 38, 32, 79]  # 18 tokens: spans two pages
 PROMPT_B = [2, 71, 82, 81, 82, 8, 45, 90, 45]
@@ -117,3 +118,17 @@ def test_a_repeated_decode_signature_reuses_inputs_and_matches_the_host_path(qwe
     assert (host.decode_cache.hits, host.decode_cache.misses) == (0, DECODE_STEPS)
     assert [r.tokens for r in fast_results] == [r.tokens for r in host_results]
     assert [r.logprobs for r in fast_results] == [r.logprobs for r in host_results]
+
+
+def test_debug_mode_catches_a_block_table_row_the_record_does_not_know(qwen2):
+    engine = make_engine(qwen2.path, debug_decode_cache=True)
+    a = make_sequence(1000, PROMPT_A, pages=[0, 1, 2])
+    b = make_sequence(1001, PROMPT_B, pages=[5, 4])
+    steps = plans(a, b, engine.policy_version)
+    for _ in range(3):  # the prefill, the mixed step, the first pure decode
+        plan = next(steps)
+        apply(plan, engine.stepper.step(plan))
+    assert engine.workspace.buffer("block_tables")[1, 0].item() == 5
+    engine.workspace.buffer("block_tables")[1, 0] = 4  # behind the persistent rows' back
+    with pytest.raises(DecodeCacheMismatch, match="attention metadata"):
+        engine.stepper.step(next(steps))
