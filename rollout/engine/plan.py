@@ -26,15 +26,18 @@ class ScheduledChunk:
 class StepPlan:
     """What one step computes."""
 
-    chunks: list[ScheduledChunk]  # in schedule order; not changed once the plan is read
+    chunks: list[ScheduledChunk]  # in schedule order; not changed once the plan is read (see the caches below)
     page_copies: list[tuple[int, int]]  # (src, dst) copy-on-write page copies to run first
     version: int  # policy version the step runs under
     _samplers: list[Sequence] | None = None  # `samplers`, listed once
+    _num_tokens: int | None = None  # `num_tokens`, summed once
     graph: bool = False  # set by the stepper: a decode graph served the step (captured, or its eager stand-in)
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
+        if self._num_tokens is None:
+            self._num_tokens = sum(c.length for c in self.chunks)
+        return self._num_tokens
 
     @property
     def samplers(self) -> list[Sequence]:

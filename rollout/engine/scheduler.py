@@ -82,7 +82,7 @@ class Scheduler:
                 i += 1
             else:
                 preempted = True
-        if not preempted:
+        if not preempted and self.waiting:
             self._admit(plan, budget, version)
         if any(c.length > 1 for c in plan.chunks):
             plan.chunks.sort(key=lambda c: c.length == 1)  # prefills first: the layout attention expects

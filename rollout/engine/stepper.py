@@ -153,7 +153,6 @@ class Stepper:
             spans = score_spans(plan.chunks)
         meta = self._attention_metadata(plan.chunks)
         self._staging.uploaded()
-        self._penalized = samplers if any(has_penalties(s.request.params) for s in samplers) else None
         graph = None  # a graph takes no penalties (their histories change every step)
         if self.graphs is not None and signature is not None and self._penalized is None:
             graph = self.graphs.key(num_rows, meta.decode_block_tables.shape[1], self._flags)
@@ -167,6 +166,7 @@ class Stepper:
         self._flags = SamplerFlags.of(params)
         top = [p.top_logprobs for p in params]
         self._top = top if any(top) else None
+        self._penalized = samplers if any(map(has_penalties, params)) else None
 
     def _run(self, plan: StepPlan, prepared: PreparedStep) -> RowExtras:
         """The model and sampler: tokens and logprobs land in the workspace's out buffers;
@@ -363,7 +363,8 @@ class Stepper:
 
 
 def _is_pure_decode(chunks: list[ScheduledChunk]) -> bool:
-    return all(c.length == 1 and len(c.samplers) == 1 and c.samplers[0] is c.seq for c in chunks)
+    """Every row decodes one token of its own sequence (a chunk's first sampler is its sequence)."""
+    return all(c.length == 1 and len(c.samplers) == 1 for c in chunks)
 
 
 def _sampling_values(seqs: list[Sequence]) -> dict[str, list]:
