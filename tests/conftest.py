@@ -9,6 +9,10 @@ if not torch.cuda.is_available():
     # The CUDA kernels (rollout/kernels/triton/) run here under Triton's interpreter,
     # which must be chosen before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests import triton_interpreter
+
+    triton_interpreter.install()  # shortcuts that give the interpreter's results sooner
 
 from tests.factories import FAMILIES, MOE_FAMILIES, make_checkpoint
 

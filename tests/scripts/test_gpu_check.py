@@ -3,7 +3,12 @@ tiny models and reports sane values (the GPU figures come from a GPU run)."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import json
+
+import pytest
 
 from scripts import gpu_check, gpu_kernels
 
@@ -19,9 +24,18 @@ def test_decode_floor_by_hand():
     assert floor["floor_s"] == floor["compute_s"]
 
 
-def test_gpu_check_smoke_runs_every_check(tmp_path, capsys):
-    out = tmp_path / "gpu_check.json"
-    results = gpu_check.main(["--smoke", "--out", str(out)])
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One smoke run of every section: its results, its JSON file and what it printed."""
+    out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        results = gpu_check.main(["--smoke", "--out", str(out)])
+    return results, out, printed.getvalue()
+
+
+def test_gpu_check_smoke_runs_every_check(smoke):
+    results, out, printed = smoke
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     parity = results["parity"]
     assert parity["bf16_max_abs_dlogprob"] < 0.05  # bf16 against transformers in bf16
@@ -39,7 +53,7 @@ def test_gpu_check_smoke_runs_every_check(tmp_path, capsys):
         row = results["qwen2.5_0.5b"][f"batch_{batch}"]
         assert row["decode_step_s"] > 0 and row["floor_s"] > 0 and row["speedup"] > 0
         assert row["graphs_off_decode_step_s"] > 0 and row["graphs_off_tokens_per_s"] > 0
-    assert "qwen2.5-0.5b bf16 batch_32" in capsys.readouterr().out
+    assert "qwen2.5-0.5b bf16 batch_32" in printed
     # The kernels' sections, the Triton kernels under the interpreter.
     assert results["ceilings"]["copy_bandwidth_gb_s"] > 0
     for context in (16, 40):
@@ -76,20 +90,39 @@ def _reference_first_ids(count: int) -> list[int]:
     return [rng.randint(0, 10000) for _ in range(count)]
 
 
-def test_a_failing_section_is_recorded_and_the_others_run(tmp_path, capsys, monkeypatch):
+def test_a_failing_section_is_recorded_and_the_others_run(smoke, tmp_path, capsys, monkeypatch):
+    """The run's bookkeeping: every section but the failing one replays what it returned in the
+    smoke run above (measured there), and each is called once, in order, after the failure too."""
+    measured, _, _ = smoke
+    called = []
+
+    def replay(name):
+        def section(*args, **kwargs):
+            called.append(name)
+            return copy.deepcopy(measured[name])
+
+        return section
 
     def broken(*args, **kwargs):
+        called.append("bench_25m")
         raise RuntimeError("capture exploded")
 
+    for name, replayed in (("parity", "parity"), ("kv_bf16", "kv_bf16"), ("qwen_05b", "qwen2.5_0.5b")):
+        monkeypatch.setattr(gpu_check, name, replay(replayed))
     monkeypatch.setattr(gpu_check, "bench_25m", broken)
-    # The kernels' sections are covered above; here they only need to come after the failure.
-    monkeypatch.setattr(gpu_kernels, "decode_steps", lambda *args, **kwargs: {})
-    monkeypatch.setattr(gpu_kernels, "nano_vllm_model", lambda *args, **kwargs: {})
+    monkeypatch.setattr(gpu_kernels, "attention_bandwidth", replay("attention"))
+    monkeypatch.setattr(gpu_kernels, "decode_steps", replay("decode_steps"))
+    nano = {name: replay(f"nano_vllm_{name}") for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b")}
+    monkeypatch.setattr(gpu_kernels, "nano_vllm_model", lambda root, device, config, name, **kw: nano[name]())
     out = tmp_path / "gpu_check.json"
     results = gpu_check.main(["--smoke", "--out", str(out)])
+    sections = ["parity", "kv_bf16", "bench_25m", "qwen2.5_0.5b", "attention", "decode_steps"]
+    assert called == sections + [f"nano_vllm_{name}" for name in nano]
     assert "RuntimeError: capture exploded" in results["bench_25m"]["error"]
-    assert results["parity"]["graph_replays"] > 0  # the section before it
-    assert results["qwen2.5_0.5b"]["batch_32"]["speedup"] > 0  # and the one after it
+    assert results["parity"] == measured["parity"]  # the section before it
+    assert results["qwen2.5_0.5b"] == measured["qwen2.5_0.5b"]  # and those after it
+    assert results["nano_vllm_llama-3-8b"] == measured["nano_vllm_llama-3-8b"]
+    assert results["ceilings"]["copy_bandwidth_gb_s"] > 0  # measured again, not replayed
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     printed = capsys.readouterr().out
     assert "bench_25m FAILED: RuntimeError: capture exploded" in printed

@@ -8,6 +8,7 @@ test_sampler.py."""
 from __future__ import annotations
 
 import collections
+import ctypes
 import re
 
 import pytest
@@ -150,12 +151,32 @@ def test_bad_inputs_are_refused_before_anything_is_written(change, message):
 
 
 def test_build_is_cached_by_content(tmp_path, monkeypatch):
-    monkeypatch.setenv("ROLLOUT_KERNEL_DIR", str(tmp_path))
+    """The build path on two small sources (the engine's own sources compile wherever their
+    hash is new: every test that loads the kernels builds them then): compiled side by side,
+    linked into one library named by the sources' hash, reused while they are unchanged and
+    built anew beside the old one when one changes."""
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for name, value in (("one.cpp", 1), ("two.cpp", 2)):
+        (sources / name).write_text(f'extern "C" int rollout_test_{name[:-4]}() {{ return {value}; }}\n')
+    (sources / "header.h").write_text("#pragma once\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (sources / "one.cpp", sources / "two.cpp"))
+    monkeypatch.setattr(cpu_kernels, "HEADERS", (sources / "header.h",))
+    out = tmp_path / "kernels"
+    monkeypatch.setenv("ROLLOUT_KERNEL_DIR", str(out))
     library = cpu_kernels._build()
-    assert library.parent == tmp_path and library.suffix == ".so"
-    built = library.stat().st_mtime_ns
-    assert cpu_kernels._build() == library and library.stat().st_mtime_ns == built  # reused, not rebuilt
-    assert sorted(p.name for p in tmp_path.iterdir()) == [library.name, library.name + ".lock"]  # no build leftovers
+    assert library.parent == out and library.suffix == ".so"
+    built = ctypes.CDLL(str(library))
+    assert (built.rollout_test_one(), built.rollout_test_two()) == (1, 2)  # both objects linked in
+    mtime = library.stat().st_mtime_ns
+    assert cpu_kernels._build() == library and library.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert sorted(p.name for p in out.iterdir()) == [library.name, library.name + ".lock"]  # no build leftovers
+    (sources / "header.h").write_text("#pragma once\n// changed\n")
+    rebuilt = cpu_kernels._build()
+    assert rebuilt != library and rebuilt.parent == out and library.stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [library.name, library.name + ".lock", rebuilt.name, rebuilt.name + ".lock"]
+    )
 
 
 def test_rms_norm_and_the_residual_add_match_torch():

@@ -3,7 +3,12 @@ runs there, bfloat16 included, without a GPU: Triton lowers to PTX and its
 bundled ptxas assembles it. The interpreter (the other tests) checks what the
 kernels compute; this checks what only a real compile can (bfloat16 code,
 libdevice calls, register-held sorts), so a kernel that would fail on the
-first CUDA engine fails here first."""
+first CUDA engine fails here first.
+
+Triton's cache keeps what compiled, keyed by the kernels' sources (and those of
+the functions they call), the options, the target, ptxas and Triton itself, so
+the test keeps it beside the CPU kernels' builds: an unchanged kernel is not
+compiled again, a changed one is, and a compile that fails is never cached."""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import os
 import subprocess
 import sys
 import textwrap
+
+from rollout.kernels.build import kernel_dir
 
 CHILD = textwrap.dedent(
     """
@@ -66,9 +73,9 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_every_triton_kernel_compiles_for_sm90(tmp_path):
+def test_every_triton_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, not the interpreter
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["TRITON_CACHE_DIR"] = str(kernel_dir() / "triton-sm90")
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = done.stdout.count("compiled ")
