@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from scripts import gpu_check, gpu_kernels
+from scripts import gpu_check, gpu_kernels, gpu_overlap
 
 
 def test_decode_floor_by_hand():
@@ -110,13 +110,14 @@ def test_a_failing_section_is_recorded_and_the_others_run(smoke, tmp_path, capsy
     for name, replayed in (("parity", "parity"), ("kv_bf16", "kv_bf16"), ("qwen_05b", "qwen2.5_0.5b")):
         monkeypatch.setattr(gpu_check, name, replay(replayed))
     monkeypatch.setattr(gpu_check, "bench_25m", broken)
+    monkeypatch.setattr(gpu_overlap, "overlap", replay("overlap"))
     monkeypatch.setattr(gpu_kernels, "attention_bandwidth", replay("attention"))
     monkeypatch.setattr(gpu_kernels, "decode_steps", replay("decode_steps"))
     nano = {name: replay(f"nano_vllm_{name}") for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b")}
     monkeypatch.setattr(gpu_kernels, "nano_vllm_model", lambda root, device, config, name, **kw: nano[name]())
     out = tmp_path / "gpu_check.json"
     results = gpu_check.main(["--smoke", "--out", str(out)])
-    sections = ["parity", "kv_bf16", "bench_25m", "qwen2.5_0.5b", "attention", "decode_steps"]
+    sections = ["parity", "overlap", "kv_bf16", "bench_25m", "qwen2.5_0.5b", "attention", "decode_steps"]
     assert called == sections + [f"nano_vllm_{name}" for name in nano]
     assert "RuntimeError: capture exploded" in results["bench_25m"]["error"]
     assert results["parity"] == measured["parity"]  # the section before it
