@@ -345,7 +345,8 @@ def print_overlap(o: dict) -> None:
         )
         print(
             f"overlap {name:18} async {row['async']['tokens_per_s']:9.0f} tok/s, sync "
-            f"{row['sync']['tokens_per_s']:9.0f} ({row['speedup']:.2f}x) {busy}"
+            f"{row['sync']['tokens_per_s']:9.0f} ({row['speedup']:.2f}x) {busy} "
+            f"{'identical ' + row['identical_samples'] if 'identical_samples' in row else ''}"
         )
 
 

@@ -33,8 +33,11 @@ def overlap(root, device: torch.device, config: dict, batches, max_tokens: int, 
     for batch in batches:
         prompts = workload_prompts(batch // 8, 32, seed=batch, vocab=config["vocab_size"])
         params = SamplingParams(n=8, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
-        row = {name: busy_run(engine, prompts, params) for name, engine in engines.items()}
+        runs = {name: busy_run(engine, prompts, params) for name, engine in engines.items()}
+        row = {name: run for name, (run, _) in runs.items()}
         row["speedup"] = row["async"]["tokens_per_s"] / row["sync"]["tokens_per_s"]
+        samples = [runs[name][1] for name in MODES]  # seeded alike: the same tokens, unless rounding differs
+        row["identical_samples"] = f"{sum(a == b for a, b in zip(*samples, strict=True))}/{len(samples[0])}"
         out[f"decode_batch_{batch}"] = row
     grpo = workload_prompts(max(batches) // 8, 48, seed=7, vocab=config["vocab_size"])
     grpo_params = SamplingParams(n=8, max_tokens=max_tokens, temperature=1.0, stop_token_ids=STOP_IDS, ignore_eos=True)
@@ -57,9 +60,9 @@ def overlap(root, device: torch.device, config: dict, batches, max_tokens: int, 
     return out
 
 
-def busy_run(engine: Engine, prompts, params) -> dict:
-    """Tokens/s of one run after a warm-up, and the share of its wall time the GPU
-    spent in the steps' model and sampler (None off CUDA)."""
+def busy_run(engine: Engine, prompts, params) -> tuple[dict, list[list[int]]]:
+    """Tokens/s of one run after a warm-up, the share of its wall time the GPU spent
+    in the steps' model and sampler (None off CUDA), and the run's samples."""
     time_engine(engine, prompts, params)  # warm-up: graphs captured
     cuda = engine.config.device.type == "cuda"
     stepper, run, events = engine.stepper, engine.stepper._run, []
@@ -77,11 +80,12 @@ def busy_run(engine: Engine, prompts, params) -> dict:
     try:
         sync(engine.config.device)
         started = time.perf_counter()
-        tokens = sum(len(s.token_ids) for o in engine.generate(prompts, params) for s in o.samples)
+        samples = [s.token_ids for o in engine.generate(prompts, params) for s in o.samples]
         sync(engine.config.device)
         wall = time.perf_counter() - started
     finally:
         if cuda:
             del stepper._run
     busy = sum(s.elapsed_time(e) for s, e in events) / 1e3 / wall if cuda else None
-    return {"tokens_per_s": tokens / wall, "gpu_busy": busy, "steps": len(events)}
+    tokens = sum(map(len, samples))
+    return {"tokens_per_s": tokens / wall, "gpu_busy": busy, "steps": len(events)}, samples

@@ -49,6 +49,7 @@ def test_gpu_check_smoke_runs_every_check(smoke):
     overlap = results["overlap"]  # async_scheduling on and off, the same work
     assert overlap["nano_vllm"]["async"]["output_tokens"] == overlap["nano_vllm"]["sync"]["output_tokens"]
     assert overlap["decode_batch_8"]["async"]["tokens_per_s"] > 0 and overlap["grpo"]["speedup"] > 0
+    assert overlap["decode_batch_8"]["identical_samples"] == "8/8"  # seeded alike, on the CPU exactly
     for batch in (16, 32):
         row = results["qwen2.5_0.5b"][f"batch_{batch}"]
         assert row["decode_step_s"] > 0 and row["floor_s"] > 0 and row["speedup"] > 0
