@@ -19,6 +19,7 @@ from ..outputs import RolloutOutput, Sample, ScoredSequence
 from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from .grammar import GrammarState
     from .leases import LeaseSlot
     from .scoring import PromptScores
 
@@ -50,6 +51,7 @@ class Sequence:
     admitted_at: int = -1  # admission counter: larger = younger, preempted first
     num_restarts: int = 0  # times its outputs were dropped to start over (a `restart` commit)
     routed: np.ndarray | None = None  # routed experts [positions, sparse layers, top_k] when the params ask
+    grammar: GrammarState | None = None  # structured outputs: its matcher, advanced by `append`
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -89,6 +91,8 @@ class Sequence:
         self.versions.append(version)
         if top is not None:
             self.top_logprobs.append(top)
+        if self.grammar is not None:
+            self.grammar.accept(token)
 
     def reset_outputs(self) -> None:
         """Drop the outputs to start over; `num_restarts` tells a stream that they went,
@@ -100,6 +104,8 @@ class Sequence:
         self.versions.clear()
         self.top_logprobs.clear()
         self.stop_text_end = None
+        if self.grammar is not None:
+            self.grammar.reset()
         if self.routed is not None:
             self.routed = self.routed[: self.num_prompt_tokens]
 

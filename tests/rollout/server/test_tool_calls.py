@@ -171,14 +171,14 @@ def test_a_malformed_call_or_tool_choice_none_is_text(scripted, client, stream):
         assert content == script and reason == "stop"
 
 
-def test_tool_choice_none_renders_no_tools_and_a_forced_call_is_refused(scripted, client):
+def test_tool_choice_none_renders_no_tools_and_an_unknown_function_is_refused(scripted, client):
     import openai
 
     scripted[0].script = "Hi."
     ask(client, tool_choice="none")
     assert "# Tools" not in scripted[0].codec.decode(scripted[0].prompts[-1])
-    with pytest.raises(openai.BadRequestError, match="tool_choice must be 'auto', 'none' or null"):
-        ask(client, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="'get_time', which is not among tools"):
+        ask(client, tool_choice={"type": "function", "function": {"name": "get_time"}})
 
 
 def test_history_with_calls_and_results_renders_as_transformers_renders_it(scripted, client, qwen_style):
