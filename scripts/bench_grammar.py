@@ -1,8 +1,9 @@
 """The two grammar libraries on one tokenizer (docs/serving.md, structured
 outputs): xgrammar and llguidance, each compiling the same JSON schema for
 SmolLM2's 49,152-token vocabulary (cold: a fresh compiler, no cache), then
-per token the mask of the next tokens (filled and applied to a float32 row
-of logits) and the matcher's advance, along a valid document's tokens. Medians of
+per token the library's work: the bitmask of the tokens allowed next and the
+matcher's advance, along a valid document's tokens (applying a mask to the
+logits is one torch op, the same for both: `rollout.engine.grammar`). Medians of
 `--repeats` runs.
 
     python -m scripts.bench_grammar [--repeats 5]
@@ -124,23 +125,28 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     rollout.engine.grammar's torch op, the same for both libraries."""
     from rollout.engine.grammar import allowed_tokens
 
-    logits.copy_(torch.zeros_like(logits).masked_fill_(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf")))
+    logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
 
 
 def decode(lib, compiled, tokens: list[int]) -> float:
-    """Seconds per token of mask + advance while the matcher follows `tokens` (a
-    valid document and the stop token), each masked row's own token allowed."""
+    """Seconds per token of the library's work (the next tokens' bitmask and the matcher's
+    advance) while it follows `tokens` (a valid document and the stop token); each mask is
+    also applied to a row of logits, untimed (the same torch op for both), to check that the
+    document's own token stays allowed."""
     matcher, bitmask = lib.matcher(compiled), lib.bitmask()
     logits = torch.zeros(1, lib.vocab)
-    apply_bitmask(logits, bitmask)  # warm-up
-    start = time.perf_counter()
+    spent = 0.0
     for i, token in enumerate(tokens):
+        start = time.perf_counter()
         lib.fill(matcher, bitmask)
+        spent += time.perf_counter() - start
+        logits.zero_()
         apply_bitmask(logits, bitmask)
-        if logits[0, token] == float("-inf"):  # the row's own token is allowed
+        if logits[0, token] == float("-inf"):
             raise AssertionError(f"{lib.name} masked token {i} ({token}) of a valid document")
+        start = time.perf_counter()
         done = lib.accept(matcher, token)
-    spent = time.perf_counter() - start
+        spent += time.perf_counter() - start
     if not done:
         raise AssertionError(f"{lib.name} did not end after the document's stop token")
     return spent / len(tokens)
@@ -165,7 +171,7 @@ def main() -> None:
             per_token.append(decode(lib, compiled, document))
         print(
             f"{lib.name:11s} compile {statistics.median(compile_s) * 1e3:8.1f} ms   "
-            f"mask+advance {statistics.median(per_token) * 1e6:7.1f} us/token   ({len(document)} tokens)"
+            f"bitmask+advance {statistics.median(per_token) * 1e6:7.1f} us/token   ({len(document)} tokens)"
         )
 
 

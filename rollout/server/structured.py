@@ -13,7 +13,7 @@
     parallel_tool_calls false                    a forced response holds one call
 
 A forced call is constrained to the format of the server's tool-call parser
-(`rollout.tool_calls.call_constraint`), its arguments to the function's
+(`rollout.tool_constraints.call_constraint`), its arguments to the function's
 parameters schema. Each shape a client can get wrong is a 400 naming the
 field; a schema the grammar library refuses is one too, from the engine
 (`schema_error`).
@@ -22,7 +22,8 @@ field; a schema the grammar library refuses is one too, from the engine
 from __future__ import annotations
 
 from ..structured import StructuredOutputs
-from ..tool_calls import ToolParser, call_constraint
+from ..tool_calls import ToolParser
+from ..tool_constraints import call_constraint
 from .errors import APIError
 
 
