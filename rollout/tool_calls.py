@@ -197,7 +197,7 @@ class ToolCallStream:
         self.text = ""  # everything fed
         self.sent = 0  # characters of it released as content
         self.in_call = False  # a call has begun: no more content is released until the end
-        self.call_at = 0  # where the first call begins, once in_call
+        self.scanner: CallScanner | None = None  # reads the calls as they are written, once in_call
         self.streamed: list[tuple[str, str]] = []  # per call begun: its id, its arguments sent so far
         self.deltas: list[dict] = []  # not yet taken
 
@@ -205,7 +205,7 @@ class ToolCallStream:
         searched = len(self.text)
         self.text += text
         if self.in_call:
-            self._stream_calls(scan_calls(self.text, self.call_at))
+            self._stream_calls(self.scanner.scan(self.text))
             return ""
         if not text:
             return ""
@@ -214,7 +214,7 @@ class ToolCallStream:
             return out
         at = self.parser.call_start(self.text, searched)
         if at is not None:
-            self.in_call, self.call_at = True, at
+            self.in_call, self.scanner = True, CallScanner(at)
             end = at
         else:
             end = len(self.text) - self.parser.may_start(self.text)
@@ -223,7 +223,7 @@ class ToolCallStream:
         out = self.text[self.sent : max(end, self.sent)]
         self.sent += len(out)
         if self.in_call:
-            self._stream_calls(scan_calls(self.text, self.call_at))
+            self._stream_calls(self.scanner.scan(self.text))
         return out
 
     def finish(self, text: str = "") -> tuple[str, tuple[ToolCall, ...]]:
@@ -242,7 +242,8 @@ class ToolCallStream:
         return out
 
     def _stream_calls(self, calls: list[ScannedCall]) -> None:
-        for i, call in enumerate(calls):
+        for i in range(max(0, len(self.streamed) - 1), len(calls)):  # the calls done went out whole already
+            call = calls[i]
             if i == len(self.streamed):
                 call_id = new_call_id()
                 self.deltas.append(
@@ -272,40 +273,61 @@ def scan_calls(text: str, at: int = 0) -> list[ScannedCall]:
     """The calls written in `text` from `at` on, the last maybe unfinished: each call
     object whose name comes before its arguments (an object), in order. The arguments
     are the text as written, which `parse` also gives when it reads the same calls."""
-    out = []
-    while True:
-        head = _CALL_HEAD.search(text, at)
-        if head is None:
-            return out
-        start = head.end()
-        end = _object_end(text, start)
-        out.append(ScannedCall(json.loads(head.group(1)), text[start : end or len(text)], end is not None))
-        if end is None:
-            return out
-        at = end
+    return CallScanner(at).scan(text)
 
 
-def _object_end(text: str, start: int) -> int | None:
-    """Past the JSON object opening at `start`, or None if `text` ends inside it."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
+class CallScanner:
+    """`scan_calls` over a growing text, reading each character once: `scan(text)`
+    after each piece (the text so far) gives the calls so far."""
+
+    LOOKBACK = 512  # characters a call's head may span while it is written
+
+    def __init__(self, at: int = 0) -> None:
+        self.at = at  # where the next call's head is searched from
+        self.calls: list[ScannedCall] = []
+        self.start = 0  # the open call's arguments begin here
+        self.pos = -1  # scanned up to here in the open call's arguments; -1: no call open
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def scan(self, text: str) -> list[ScannedCall]:
+        while True:
+            if self.pos < 0:
+                head = _CALL_HEAD.search(text, self.at)
+                if head is None:
+                    self.at = max(self.at, len(text) - self.LOOKBACK)
+                    return self.calls
+                self.start = self.pos = head.end()
+                self.depth, self.in_string, self.escaped = 0, False, False
+                self.calls.append(ScannedCall(json.loads(head.group(1)), "", False))
+            end = self._advance(text)
+            name = self.calls[-1].name
+            self.calls[-1] = ScannedCall(name, text[self.start : end or len(text)], end is not None)
+            if end is None:
+                return self.calls
+            self.pos, self.at = -1, end
+
+    def _advance(self, text: str) -> int | None:
+        """Scan the open call's arguments on: past their object's end, or None if `text` ends inside it."""
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        for i in range(self.pos, len(text)):
+            ch = text[i]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
             elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+                in_string = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+        self.pos, self.depth, self.in_string, self.escaped = len(text), depth, in_string, escaped
+        return None
 
 
 def _as_written(text: str, calls: tuple[ToolCall, ...]) -> tuple[ToolCall, ...]:

@@ -17,6 +17,7 @@ from ..sampling_params import MAX_SEED, SamplingParams
 from ..tokenizer import TextCodec
 from .config import EngineConfig
 from .grammar import GrammarState, grammars_for
+from .penalties import PenaltyCounts, has_penalties
 from .scoring import PromptScores
 from .sequence import Request, Sequence
 
@@ -123,8 +124,9 @@ def make_requests(
             prompt=text,
         )
         request.samples = [make_seq(next(seq_ids), request, k, list(ids)) for k in range(params.n)]
-        for s in request.samples if grammar is not None else ():
-            s.grammar = GrammarState(grammar, mc.vocab_size)
+        for s in request.samples:
+            s.grammar = GrammarState(grammar, mc.vocab_size) if grammar is not None else None
+            s.penalty = PenaltyCounts(ids, mc.vocab_size) if has_penalties(params) else None
         if params.prompt_logprobs is not None:
             request.prompt_scores = PromptScores.new(len(ids), 1, params.prompt_logprobs)
         requests.append(request)
