@@ -182,6 +182,7 @@ def engine_overhead(args) -> None:
             outputs = engine.generate(prompts, params)
             tokens = sum(len(s.token_ids) for o in outputs for s in o.samples)
             rates[name].append(tokens / (time.perf_counter() - start))
+            print(f"  {name:11s} {tokens} tokens, {rates[name][-1]:.1f} tok/s", flush=True)
     engine.close()
     free, constrained = statistics.median(rates["free"]), statistics.median(rates["json_schema"])
     print(f"engine: free {free:.1f} tok/s, json_schema {constrained:.1f} tok/s: {constrained / free:.3f}x")
