@@ -30,6 +30,7 @@ from .engine import (
 )
 from .outputs import RolloutOutput, Sample, ScoredSequence
 from .sampling_params import LOGPROBS_MODES, SamplingParams
+from .structured import StructuredOutputs
 
 __all__ = [
     "ClosedError",
@@ -56,4 +57,5 @@ __all__ = [
     "SamplingParams",
     "ScoredSequence",
     "StepInfo",
+    "StructuredOutputs",
 ]

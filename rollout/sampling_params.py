@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .checks import as_token_ids, check_int, check_number
+from .structured import StructuredOutputs
 
 LOGPROBS_MODES = ("processed", "raw", "scaled")
 MAX_SEED = 2**63 - 1
@@ -58,6 +59,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]: minus this for a token already in the output
     repetition_penalty: float = 1.0  # in (0, 2]: a token in the prompt or output has its logit divided (>0) or times
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, each in [-100, 100]
+    # The text constrained to a JSON schema, a regex, ... (rollout/engine/grammar.py); None: free text.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         self.n = check_int("n", self.n, 1)
@@ -86,6 +89,11 @@ class SamplingParams:
                     f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or None, got {self.prompt_logprobs}"
                 )
         self._check_penalties()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise TypeError(
+                "structured_outputs must be a StructuredOutputs (json=, json_object=, regex=, choice= or "
+                f"structural_tag=) or None, got {type(self.structured_outputs).__name__}"
+            )
 
     def _check_penalties(self) -> None:
         for name in ("frequency_penalty", "presence_penalty"):

@@ -53,6 +53,39 @@ def text_checkpoint(tmp_path_factory) -> Checkpoint:
     return Checkpoint(path, make_checkpoint(path, "qwen2", seed=11, tokenizer=True))
 
 
+# ChatML's shape in plain characters, telling the model of tools as Hermes templates do.
+ASCII_CHAT = (
+    "{% for m in messages %}<im_start>{{ m['role'] }} {{ m['content'] }}<im_end> {% endfor %}"
+    "{% if tools %}<tools>{{ tools | tojson }}</tools> Call one as <tool_call>{...}</tool_call> {% endif %}"
+    "{% if add_generation_prompt %}<im_start>assistant {% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def ascii_checkpoint(tmp_path_factory) -> Checkpoint:
+    """A qwen2 checkpoint whose character tokenizer spells all of printable ASCII and newlines (ids
+    4..98 are chr(32)..chr(126), 99 is "\\n", "</s>" = 2 is eos), so it can write JSON; chat template
+    `ASCII_CHAT`. The transformers model is float64 (a reference for logprobs)."""
+    import json
+
+    from tests.factories import write_tokenizer
+
+    path = tmp_path_factory.mktemp("ckpt_ascii")
+    hf = make_checkpoint(path, "qwen2", seed=7, vocab_size=100, max_position_embeddings=1024)
+    write_tokenizer(path, 100, extra="\n")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": ASCII_CHAT}))
+    return Checkpoint(path, hf.double().eval())
+
+
+@pytest.fixture(scope="session")
+def ascii_engine(ascii_checkpoint):
+    """An engine of `ascii_checkpoint` (compiled CPU kernels, a 1024-token context)."""
+    engine = make_engine(ascii_checkpoint.path, max_seq_len=1024)
+    yield engine
+    engine.close()
+
+
 @pytest.fixture(scope="session")
 def qwen2(checkpoints) -> Checkpoint:
     return checkpoints["qwen2"]

@@ -107,12 +107,13 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(0.08 * torch.randn(p.shape, generator=g))
 
 
-def write_tokenizer(path: Path, vocab_size: int = 96) -> None:
-    """A byte-level-ish character tokenizer: ids 0..3 special, then characters."""
+def write_tokenizer(path: Path, vocab_size: int = 96, extra: str = "") -> None:
+    """A byte-level-ish character tokenizer: ids 0..3 special, then characters from
+    chr(32) on, then the characters of `extra` (vocab_size counts them all)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    chars = [chr(c) for c in range(32, 32 + vocab_size - len(specials))]
+    chars = [chr(c) for c in range(32, 32 + vocab_size - len(specials) - len(extra))] + list(extra)
     vocab = {t: i for i, t in enumerate(specials + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")

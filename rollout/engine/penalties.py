@@ -60,8 +60,8 @@ def bias_rows(biases: list[dict[int, float] | None], vocab: int, device) -> torc
 
 @dataclass(slots=True)
 class StepPenalties:
-    """The penalised rows of one step and what they need, built on the host from
-    the rows' token histories (copied to the device once per step)."""
+    """The penalised rows of one step and what they need, stacked on the host from
+    the rows' kept counts (`PenaltyCounts`) and copied to the device once per step."""
 
     rows: torch.Tensor  # int64 [P]: which of the step's rows have penalties
     counts: torch.Tensor  # float32 [P, V]
@@ -74,17 +74,12 @@ class StepPenalties:
 
     @classmethod
     def of(cls, samplers: list, vocab: int, device) -> StepPenalties | None:
-        """The step's penalties, or None when no row (`Sequence`) has any."""
+        """The step's penalties, or None when no row (`Sequence`) has any. A row's
+        counts are its `Sequence.penalty` (kept as it samples), else rebuilt from its history."""
         picked = [(i, s) for i, s in enumerate(samplers) if has_penalties(s.request.params)]
         if not picked:
             return None
-        counts = torch.zeros((len(picked), vocab), dtype=torch.float32)
-        seen = torch.zeros((len(picked), vocab), dtype=torch.bool)
-        for j, (_, s) in enumerate(picked):
-            p = s.num_prompt_tokens
-            seen[j, torch.tensor(s.token_ids[:p], dtype=torch.int64)] = True
-            out = torch.tensor(s.token_ids[p:], dtype=torch.int64)
-            counts[j].index_add_(0, out, torch.ones(out.numel()))
+        kept = [s.penalty if s.penalty is not None else PenaltyCounts.of(s, vocab) for _, s in picked]
         params = [s.request.params for _, s in picked]
 
         def column(name: str) -> torch.Tensor:
@@ -92,8 +87,8 @@ class StepPenalties:
 
         return cls(
             torch.tensor([i for i, _ in picked], dtype=torch.int64, device=device),
-            counts.to(device),
-            seen.to(device),
+            torch.stack([k.counts for k in kept]).to(device),
+            torch.stack([k.prompt_seen for k in kept]).to(device),
             column("frequency_penalty"),
             column("presence_penalty"),
             column("repetition_penalty"),
@@ -110,6 +105,35 @@ class StepPenalties:
         penalised = penalize(rows, *args)
         reported = torch.where(self.raw[:, None], rows, penalised)
         return logits.index_copy(0, self.rows, penalised), logits.index_copy(0, self.rows, reported)
+
+
+class PenaltyCounts:
+    """A penalised sample's token counts, kept with its `Sequence` (`Sequence.penalty`):
+    `add` counts each sampled token (`Sequence.append` calls it), `reset` drops the
+    outputs' counts (a restart); the prompt's tokens are marked once. A step stacks
+    the rows' counts instead of rebuilding them from every row's history."""
+
+    __slots__ = ("counts", "prompt_seen")
+
+    def __init__(self, prompt: list[int], vocab: int) -> None:
+        self.counts = torch.zeros(vocab, dtype=torch.float32)  # output tokens so far
+        self.prompt_seen = torch.zeros(vocab, dtype=torch.bool)
+        self.prompt_seen[torch.tensor(prompt, dtype=torch.int64)] = True
+
+    @classmethod
+    def of(cls, seq, vocab: int) -> PenaltyCounts:
+        """The counts of `seq` (a `Sequence`) from its history."""
+        p = seq.num_prompt_tokens
+        kept = cls(seq.token_ids[:p], vocab)
+        out = torch.tensor(seq.token_ids[p:], dtype=torch.int64)
+        kept.counts.index_add_(0, out, torch.ones(out.numel()))
+        return kept
+
+    def add(self, token: int) -> None:
+        self.counts[token] += 1
+
+    def reset(self) -> None:
+        self.counts.zero_()
 
 
 def has_penalties(params: SamplingParams) -> bool:

@@ -14,8 +14,8 @@ and applies them. Step N+1 was planned before N's tokens were known, so:
   (`Scheduler.finish`);
 - every token is applied with the version of the step that computed it; a
   weight commit, a sleep or a failure settles the step in flight first, and a
-  step whose rows need their history on the host (penalties) is settled
-  before the next one is planned.
+  step whose rows need their history on the host (penalties, a grammar's
+  matcher) is settled before the next one is planned.
 
 Sampling is counter-based (seed, sample index, output position), so the
 tokens and logprobs are those of the synchronous engine. With `overlap` off
@@ -33,6 +33,7 @@ from .inflight_io import Launched
 from .penalties import has_penalties
 from .plan import StepPlan
 from .scheduler import Scheduler
+from .sequence import Sequence
 from .step_failures import RequestFailures, by_request, find_culprits
 from .stepper import Stepper
 
@@ -80,8 +81,9 @@ class StepPipeline:
 
     def settle_for_host(self) -> bool:
         """Settle when the step in flight sampled for rows whose next step reads their
-        token history on the host (penalties count it); True when it did."""
-        if self.inflight is None or not any(has_penalties(s.request.params) for s in self.inflight.plan.samplers):
+        token history on the host (penalties count it, a grammar's matcher advances
+        with it); True when it did."""
+        if self.inflight is None or not any(_needs_history(s) for s in self.inflight.plan.samplers):
             return False
         self.settle()
         return True
@@ -127,3 +129,7 @@ class StepPipeline:
         except BaseException:
             self.recover()
             raise
+
+
+def _needs_history(seq: Sequence) -> bool:
+    return seq.grammar is not None or has_penalties(seq.request.params)

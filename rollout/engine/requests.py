@@ -16,6 +16,8 @@ from ..model.config import ModelConfig
 from ..sampling_params import MAX_SEED, SamplingParams
 from ..tokenizer import TextCodec
 from .config import EngineConfig
+from .grammar import GrammarState, grammars_for
+from .penalties import PenaltyCounts, has_penalties
 from .scoring import PromptScores
 from .sequence import Request, Sequence
 
@@ -106,6 +108,9 @@ def make_requests(
     stop_ids = set(params.stop_token_ids or ())
     if not params.ignore_eos:
         stop_ids.update(codec.eos_token_ids if codec is not None else mc.eos_token_ids)
+    grammar = None
+    if params.structured_outputs is not None:  # compiled once for the call, before any request exists
+        grammar = grammars_for(codec, mc.vocab_size).compile(params.structured_outputs, frozenset(stop_ids))
     requests = []
     for ids, text in zip(token_lists, texts, strict=True):
         seed = params.seed if params.seed is not None else rng.randint(0, MAX_SEED)
@@ -119,6 +124,9 @@ def make_requests(
             prompt=text,
         )
         request.samples = [make_seq(next(seq_ids), request, k, list(ids)) for k in range(params.n)]
+        for s in request.samples:
+            s.grammar = GrammarState(grammar, mc.vocab_size) if grammar is not None else None
+            s.penalty = PenaltyCounts(ids, mc.vocab_size) if has_penalties(params) else None
         if params.prompt_logprobs is not None:
             request.prompt_scores = PromptScores.new(len(ids), 1, params.prompt_logprobs)
         requests.append(request)

@@ -19,7 +19,9 @@ from ..outputs import RolloutOutput, Sample, ScoredSequence
 from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from .grammar import GrammarState
     from .leases import LeaseSlot
+    from .penalties import PenaltyCounts
     from .scoring import PromptScores
 
 
@@ -51,6 +53,8 @@ class Sequence:
     admitted_at: int = -1  # admission counter: larger = younger, preempted first
     num_restarts: int = 0  # times its outputs were dropped to start over (a `restart` commit)
     routed: np.ndarray | None = None  # routed experts [positions, sparse layers, top_k] when the params ask
+    grammar: GrammarState | None = None  # structured outputs: its matcher, advanced by `append`
+    penalty: PenaltyCounts | None = None  # penalties: its output token counts, kept by `append`
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,6 +102,10 @@ class Sequence:
         self.versions.append(version)
         if top is not None:
             self.top_logprobs.append(top)
+        if self.grammar is not None:
+            self.grammar.accept(token)
+        if self.penalty is not None:
+            self.penalty.add(token)
 
     def reset_outputs(self) -> None:
         """Drop the outputs to start over; `num_restarts` tells a stream that they went,
@@ -109,6 +117,10 @@ class Sequence:
         self.versions.clear()
         self.top_logprobs.clear()
         self.stop_text_end = None
+        if self.grammar is not None:
+            self.grammar.reset()
+        if self.penalty is not None:
+            self.penalty.reset()
         if self.routed is not None:
             self.routed = self.routed[: self.num_prompt_tokens]
 

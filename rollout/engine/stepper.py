@@ -29,6 +29,7 @@ from ..kernels.layer_ops import LayerOps
 from ..model.attention import AttentionMetadata
 from ..model.decoder import Model
 from .decode_graphs import DecodeGraphs, GraphKey
+from .grammar import constrain
 from .inflight_io import Launched, Staging, feed_in_flight, to_device
 from .penalties import StepPenalties, has_penalties
 from .plan import ScheduledChunk, StepPlan, StepResult, TopLogprobs
@@ -97,6 +98,7 @@ class Stepper:
         self._graph_sampled: dict[GraphKey, SampledRows] = {}  # the same, per decode graph (its static tensors)
         self._flags = SamplerFlags(False, False, False)  # of the batch whose inputs the workspace holds
         self._penalized: list[Sequence] | None = None  # this step's rows when some have penalties
+        self._constrained: list[Sequence] | None = None  # this step's rows when some have grammars
         self._reported: torch.Tensor | None = None  # with penalties: the logits each row's logprobs are reported in
         self._top: list[int] | None = None  # its rows' top_logprobs counts, when some row asks
         self._last_samplers: list[Sequence] = []  # the rows of the last launched step's out buffers
@@ -153,8 +155,9 @@ class Stepper:
             spans = score_spans(plan.chunks)
         meta = self._attention_metadata(plan.chunks)
         self._staging.uploaded()
-        graph = None  # a graph takes no penalties (their histories change every step)
-        if self.graphs is not None and signature is not None and self._penalized is None:
+        graph = None  # a graph takes no penalties or grammars (they change every step)
+        eager = self._penalized is not None or self._constrained is not None
+        if self.graphs is not None and signature is not None and not eager:
             graph = self.graphs.key(num_rows, meta.decode_block_tables.shape[1], self._flags)
         return PreparedStep(meta, num_rows, num_logits, self._flags, signature, graph, self._top, spans)
 
@@ -167,6 +170,7 @@ class Stepper:
         top = [p.top_logprobs for p in params]
         self._top = top if any(top) else None
         self._penalized = samplers if any(map(has_penalties, params)) else None
+        self._constrained = samplers if any(s.grammar is not None for s in samplers) else None
 
     def _run(self, plan: StepPlan, prepared: PreparedStep) -> RowExtras:
         """The model and sampler: tokens and logprobs land in the workspace's out buffers;
@@ -253,6 +257,8 @@ class Stepper:
         if self._penalized is not None:  # never under a graph's capture (see `_prepare`)
             penalties = StepPenalties.of(self._penalized, logits.shape[-1], logits.device)
             logits, self._reported = penalties.apply(logits)
+        if self._constrained is not None:  # likewise: each constrained row's grammar masks it
+            logits, self._reported = constrain(self._constrained, logits, self._reported)
         if self.device_sample is not None:
             self.device_sample(logits, batch, tokens, logprobs, ws.view("out_covered", num_rows))
         else:

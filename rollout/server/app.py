@@ -39,6 +39,7 @@ from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import Reply, usage
 from .schemas import ChatRequest, CompletionRequest
 from .security import LoopbackHosts, check_bind, check_json, is_loopback
+from .structured import schema_error
 from .tokenizer_routes import install_tokenizer_routes
 from .translate import Job, chat_job, completion_job, request_work
 
@@ -173,8 +174,10 @@ def prepare(make_job: Callable[..., Job], body: BaseModel, config: ServerConfig,
     job = make_job(body, config, backend)
     try:
         prompts = [backend.prompt_ids(p, job.prompt_field, job.tools) for p in job.prompts]
+        if job.params.structured_outputs is not None and hasattr(backend, "warm_grammar"):
+            backend.warm_grammar(job.params)  # here, not on the event loop, where the request starts
     except (ValueError, TypeError) as e:
-        raise APIError(400, str(e), job.prompt_field) from None
+        raise schema_error(str(e)) or APIError(400, str(e), job.prompt_field) from None
     return dataclasses.replace(job, prompts=prompts, work=request_work(prompts, job.params, config, backend))
 
 

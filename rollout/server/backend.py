@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from ..chat import is_chat
+from ..engine.grammar import grammars_for
 from ..engine.requests import PromptLimits, prompt_token_ids, render_chat
 from ..engine.streams import TokenStream
 from ..sampling_params import SamplingParams
@@ -81,6 +82,16 @@ class EngineBackend:
     def prompt_ids(self, prompt, field: str, tools: list | None = None) -> list[int]:
         limits = PromptLimits.of(self.engine.config, self.engine.model_config)
         return prompt_ids(prompt, field, tools, limits, self.codec)
+
+    def warm_grammar(self, params: SamplingParams) -> None:
+        """Compile `params`' constraint in the calling thread (a worker's), so that the
+        engine's compile as the request starts, on the event loop, finds it cached;
+        `ValueError` naming the field for a bad one."""
+        stop = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop.update(self.codec.eos_token_ids if self.codec is not None else self.engine.model_config.eos_token_ids)
+        grammars = grammars_for(self.codec, self.engine.model_config.vocab_size)
+        grammars.compile(params.structured_outputs, frozenset(stop))
 
     def policy_version(self) -> int:
         return self.engine.policy_version

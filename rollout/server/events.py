@@ -41,9 +41,11 @@ async def events(reply: Reply, streams: list[TokenStream], metrics: Metrics) -> 
                 last = item.finish_reason is not None
                 sample = texts[c]
                 text = sample.restart(item.token_ids, last) if item.restarted else sample.add(item.token_ids, last)
+                deltas = ()
                 if calls is not None:
                     calls[c] = ToolCallStream(job.tool_parser) if item.restarted else calls[c]
                     text = calls[c].feed(text)
+                    deltas = calls[c].take_deltas()
                 chunk = reply.chunk(
                     c,
                     text,
@@ -55,6 +57,8 @@ async def events(reply: Reply, streams: list[TokenStream], metrics: Metrics) -> 
                 )
                 metrics.completion_tokens += len(item.token_ids)
                 yield sse(chunk)
+                for chunk in call_chunks(reply, c, deltas):
+                    yield sse(chunk)
             else:
                 outputs[p] = item
                 metrics.prompt_tokens += len(item.prompt_token_ids)
@@ -65,7 +69,7 @@ async def events(reply: Reply, streams: list[TokenStream], metrics: Metrics) -> 
                         rest, found = calls[c].finish(rest)
                         if rest:
                             yield sse(reply.chunk(c, rest))
-                        for chunk in call_chunks(reply, c, found):
+                        for chunk in call_chunks(reply, c, calls[c].take_deltas()):
                             yield sse(chunk)
                         rest, reason = "", finished(reason, found)
                     yield sse(reply.last_chunk(c, rest, reason, item))

@@ -15,6 +15,7 @@ from ..engine.streams import SampleDelta, TokenStream
 from ..outputs import RolloutOutput
 from .backend import Backend
 from .errors import RETRY_AFTER_S, RetryLater, from_engine
+from .structured import schema_error
 from .translate import Job
 
 Item = SampleDelta | RolloutOutput
@@ -96,7 +97,7 @@ def start(job: Job, backend: Backend, ticket: Ticket) -> list[TokenStream]:
         if isinstance(e, UnavailableError):  # a closed engine's is a ValueError too: a 503 (`errors.py`), not a 400
             raise
         if isinstance(e, (ValueError, TypeError)):
-            raise from_engine(e, job.prompt_field) from None
+            raise schema_error(str(e)) or from_engine(e, job.prompt_field) from None
         raise
     return streams
 

@@ -4,8 +4,8 @@ Strict: a JSON string is never a number, a float never an int, a bool never
 either. Fields this server does not implement are refused with a 400 naming
 them (`extra="forbid"`), since silently ignoring one would change what the
 client gets; the few ignored ones (`user`, `metadata`, `store`,
-`service_tier`, `parallel_tool_calls`) change nothing a client could see
-from a single model. OpenAI fields whose only supported value is their
+`service_tier`) change nothing a client could see from a single model
+(`parallel_tool_calls` acts only on a forced call, `structured.py`). OpenAI fields whose only supported value is their
 default (chat's `echo`, `best_of`, ...) are accepted at that value and refused
 otherwise (`unsupported`). Responses are plain dicts built in
 `responses.py`: a chunk is serialised per token, and a dict is the cheapest."""
@@ -156,11 +156,11 @@ class ChatRequest(CommonRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None  # passed to the chat template
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "auto", "none", "required" or a function (`structured.py`)
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (`structured.py`)
     echo: bool = False  # refused: prompt logprobs come from /v1/completions (echo) or prompt_logprobs
+    parallel_tool_calls: bool | None = None  # false: a forced call is one call (`structured.py`); else ignored
     # Ignored: nothing a client sees depends on them here.
-    parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -172,8 +172,4 @@ class ChatRequest(CommonRequest):
             return "top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {self.top_logprobs}"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
-        if self.tool_choice not in (None, "auto", "none"):
-            return "tool_choice", "tool_choice must be 'auto', 'none' or null: no call can be forced (no constraint)"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format", "response_format must be {'type': 'text'} or null (no constrained decoding)"
         return super().unsupported()

@@ -5,10 +5,11 @@ A whole response's message holds the text before the first call as
 "function", "function": {"name", "arguments"}}` with the arguments a JSON
 string, and the choice ends with `finish_reason: "tool_calls"`. A stream
 sends the content as it comes, held back from where a call may begin
-(`rollout.tool_calls.ToolCallStream`); when the sample ends, each call as
-two deltas under its `index` (the id, type and name with empty arguments,
-then the arguments), then the last chunk with the finish reason. The
-streamed arguments of a call concatenate to the whole response's."""
+(`rollout.tool_calls.ToolCallStream`), and each call under its `index`: a
+delta with the id, type and name (empty arguments) once the name is
+written, then its arguments in pieces as they are written; then the last
+chunk with the finish reason. The streamed arguments of a call concatenate
+to the whole response's."""
 
 from __future__ import annotations
 
@@ -35,13 +36,11 @@ def finished(finish_reason: str, calls: tuple[ToolCall, ...]) -> str:
     return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
-def call_chunks(reply: Reply, index: int, calls: tuple[ToolCall, ...]) -> list[dict]:
-    """The stream chunks of choice `index`'s calls (see the module docstring)."""
+def call_chunks(reply: Reply, index: int, deltas: list[dict]) -> list[dict]:
+    """The stream chunks of choice `index`'s call deltas (`ToolCallStream.take_deltas`), one each."""
     chunks = []
-    for i, call in enumerate(calls):
-        head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        for delta in (head, {"index": i, "function": {"arguments": call.arguments}}):
-            chunk = reply.chunk(index, "")
-            chunk["choices"][0]["delta"] = {"tool_calls": [delta]}
-            chunks.append(chunk)
+    for delta in deltas:
+        chunk = reply.chunk(index, "")
+        chunk["choices"][0]["delta"] = {"tool_calls": [delta]}
+        chunks.append(chunk)
     return chunks

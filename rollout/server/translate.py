@@ -16,6 +16,7 @@ from .config import ServerConfig
 from .echo import Echo
 from .errors import APIError, from_engine
 from .schemas import ChatRequest, CommonRequest, CompletionRequest
+from .structured import forced_calls, response_format
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -67,12 +68,20 @@ def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
     if echo is not None:
         params = replace(params, prompt_logprobs=echo.prompt_logprobs)
     job = _job(req, True, [messages], params, req.logprobs, "messages")
+    structured = response_format(req.response_format)
     if not req.tools or req.tool_choice == "none":  # "none": the template is not told of tools
-        return replace(job, echo=echo)
+        forced_calls(req.tool_choice, req.tools, None)  # a call forced without tools is refused all the same
+        return replace(job, echo=echo, params=replace(params, structured_outputs=structured))
     codec = backend.codec
     parser = parser_for(config.tool_call_parser, codec.chat.templates if codec and codec.chat else None)
+    forced = forced_calls(req.tool_choice, req.tools, parser, req.parallel_tool_calls is not False)
+    if forced is not None and structured is not None:
+        raise APIError(
+            400, "response_format cannot constrain a response whose tool_choice forces a call", "tool_choice"
+        )
+    params = replace(params, structured_outputs=forced or structured)
     # the backend renders the tools with the messages (off the event loop)
-    return replace(job, tools=req.tools, tool_parser=parser, echo=echo)
+    return replace(job, params=params, tools=req.tools, tool_parser=parser, echo=echo)
 
 
 def _job(req: CommonRequest, chat: bool, prompts: list, params: SamplingParams, logprobs: bool, field: str) -> Job:

@@ -114,3 +114,28 @@ def test_streamed_in_pieces_the_content_and_calls_equal_the_whole_texts(parser):
             ]
             if whole.calls:  # nothing of a call went out as content
                 assert stream.parser.start not in content and '"name"' not in content
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+def test_arguments_stream_as_written_and_add_up_to_the_whole_calls(parser):
+    """Each call's name goes out once it is written and its arguments in pieces as they are
+    written, before the sample ends; the pieces concatenate to the whole text's arguments,
+    which are the text as the model wrote it."""
+    rng = random.Random(1)
+    for text in (t for p, t, _ in CASES if p == parser):
+        whole = parse_tool_calls(text, parser)
+        assert whole.calls and all(c.arguments in text for c in whole.calls)  # as written, spacing and all
+        stream, at, streamed, partial = ToolCallStream(PARSERS[parser]()), 0, {}, 0
+        while at < len(text):
+            step = rng.randint(1, 4)
+            stream.feed(text[at : at + step])
+            at += step
+            for d in stream.take_deltas():
+                if "id" in d:
+                    streamed[d["index"]] = [d["function"]["name"], ""]
+                streamed[d["index"]][1] += d["function"]["arguments"]
+                partial += streamed[d["index"]][1] not in ("", whole.calls[d["index"]].arguments)
+        assert [tuple(c) for c in streamed.values()] == [(c.name, c.arguments) for c in whole.calls]
+        assert partial  # some pieces went out with their call's arguments still unfinished
+        stream.finish()
+        assert stream.take_deltas() == []

@@ -154,3 +154,21 @@ def test_a_bias_outside_the_vocabulary_is_refused(qwen2):
             engine.generate([PROMPT], SamplingParams(logit_bias={99999: 1.0}))
     finally:
         engine.close()
+
+
+def test_counts_kept_with_the_sequence_equal_its_history():
+    """`Sequence.penalty` counts each appended token and forgets the outputs on a restart,
+    as a rebuild from the sequence's history counts them."""
+    from rollout.engine.penalties import PenaltyCounts
+    from rollout.engine.sequence import Request, Sequence
+
+    request = Request(0, PROMPT, SamplingParams(**PENALTIES), seed=0, max_tokens=8, stop_token_ids=frozenset())
+    seq = Sequence(0, request, 0, list(PROMPT), penalty=PenaltyCounts(PROMPT, 40))
+    for t in [5, 9, 5, 30]:
+        seq.append(t, -1.0, 0)
+    rebuilt = PenaltyCounts.of(seq, 40)
+    assert torch.equal(seq.penalty.counts, rebuilt.counts) and torch.equal(seq.penalty.prompt_seen, rebuilt.prompt_seen)
+    assert seq.penalty.counts[5] == 2 and seq.penalty.counts.sum() == 4 and seq.penalty.prompt_seen[[3, 9, 14]].all()
+    seq.reset_outputs()
+    seq.append(7, -1.0, 0)
+    assert torch.equal(seq.penalty.counts, PenaltyCounts.of(seq, 40).counts) and seq.penalty.counts.sum() == 1

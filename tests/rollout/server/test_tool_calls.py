@@ -162,7 +162,13 @@ def test_a_malformed_call_or_tool_choice_none_is_text(scripted, client, stream):
         if stream:
             chunks = list(ask(client, stream=True, **extra))
             content = "".join(c.choices[0].delta.content or "" for c in chunks)
-            assert not any(c.choices[0].delta.tool_calls for c in chunks)
+            deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+            if extra:  # tool_choice none: no call is read
+                assert not deltas
+            else:  # the call's name and arguments went out as written, before it broke; then all is content
+                arguments = "".join(d.function.arguments or "" for d in deltas)
+                assert deltas[0].function.name == "get_weather" and arguments.startswith('{"city": ')
+                assert script.split('"arguments": ')[1].startswith(arguments)
             reason = chunks[-1].choices[0].finish_reason
         else:
             choice = ask(client, **extra).choices[0]
@@ -171,14 +177,14 @@ def test_a_malformed_call_or_tool_choice_none_is_text(scripted, client, stream):
         assert content == script and reason == "stop"
 
 
-def test_tool_choice_none_renders_no_tools_and_a_forced_call_is_refused(scripted, client):
+def test_tool_choice_none_renders_no_tools_and_an_unknown_function_is_refused(scripted, client):
     import openai
 
     scripted[0].script = "Hi."
     ask(client, tool_choice="none")
     assert "# Tools" not in scripted[0].codec.decode(scripted[0].prompts[-1])
-    with pytest.raises(openai.BadRequestError, match="tool_choice must be 'auto', 'none' or null"):
-        ask(client, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="'get_time', which is not among tools"):
+        ask(client, tool_choice={"type": "function", "function": {"name": "get_time"}})
 
 
 def test_history_with_calls_and_results_renders_as_transformers_renders_it(scripted, client, qwen_style):
