@@ -199,3 +199,16 @@ def test_scores_and_prompt_logprobs_equal_the_synchronous_engine(qwen2):
     assert _snapshot(outs[1]) == _snapshot(outs[0])
     assert [o.prompt_logprobs for o in outs[1]] == [o.prompt_logprobs for o in outs[0]]
     assert lagged.stats()["kv_pages_used"] == 0
+
+
+def test_structured_outputs_equal_the_synchronous_engine(ascii_engine, ascii_checkpoint):
+    """A grammar's matcher advances with each applied token: its rows are settled before the next plan."""
+    from rollout import StructuredOutputs
+
+    lagged = make_engine(ascii_checkpoint.path, max_seq_len=1024, async_scheduling=True)
+    choices = StructuredOutputs(choice=["yes", "no", "maybe", "nope"])
+    for constraint in (choices, StructuredOutputs(json_object=True)):
+        params = SamplingParams(n=2, max_tokens=24, seed=4, structured_outputs=constraint)
+        expected, got = (e.generate(["Q: ", "A: "], params) for e in (ascii_engine, lagged))
+        assert _snapshot(got) == _snapshot(expected)
+    assert lagged.stats()["kv_pages_used"] == 0
