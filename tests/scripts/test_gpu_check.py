@@ -37,6 +37,9 @@ def test_gpu_check_smoke_runs_every_check(tmp_path, capsys):
         assert row["decode_step_s"] > 0 and row["floor_s"] > 0 and row["speedup"] > 0
         assert row["graphs_off_decode_step_s"] > 0 and row["graphs_off_tokens_per_s"] > 0
     assert "qwen2.5-0.5b bf16 batch_32" in capsys.readouterr().out
+    sleep = results["sleep_wake"]  # the same weights and seeds after each wake: the same samples
+    assert sleep["level1_same_samples"] and sleep["level2_same_samples"]
+    assert sleep["push_after_level2_s"] > 0 and sleep["kv_bytes"] > 0
     # The kernels' sections, the Triton kernels under the interpreter.
     assert results["ceilings"]["copy_bandwidth_gb_s"] > 0
     for context in (16, 40):
