@@ -13,7 +13,11 @@ With `--nodes 2` the local Ray is two nodes on this host
 (`ray.cluster_utils.Cluster`): the driver's node runs no actor and both
 actors run on the second, so every bucket crosses from one node's object
 store to the other's, as it does for an actor on another machine (at this
-host's loopback speed, not a network's). `--parts` picks what to run.
+host's loopback speed, not a network's). `--parts` picks what to run;
+`phases` (not run by default) times the parts of whole and delta pushes
+at the first learning rate in this process, without Ray or a transfer:
+the trainer's encoding, packing, an actor's receipt (checksums), phase one
+and commit, and the update of the trainer's copy.
 
     python -m scripts.bench_sync_kinds [--pushes 4] [--lrs 1e-6,1e-5,1e-4,1e-3] [--rank 16] \
         [--nodes 1] [--parts delta,lora,sleep] [--out runs/bench_sync_kinds.json]
@@ -161,6 +165,83 @@ def bench_sleep(path: Path, state: dict[str, torch.Tensor]) -> dict:
     return out
 
 
+def bench_phases(path: Path, trainer: Trainer, lr: float, pushes: int) -> dict:
+    """Seconds of each part of `pushes` whole, then `pushes` delta, pushes into
+    one in-process actor; the first of each kind warms up and is left out."""
+    from rollout.cluster.actor import RolloutWorker
+    from rollout.cluster.wire import Manifest
+    from rollout.cluster.wire_receive import assemble
+    from rollout.cluster.wire_send import BucketPacker
+    from rollout.engine.weight_delta import DeltaEncoder
+
+    engine = dict(device="cpu", dtype="bfloat16", max_batch_size=8, max_seq_len=128, kv_cache_tokens=1024)
+    worker, encoder, packer = RolloutWorker(path, engine), DeltaEncoder(), BucketPacker()
+    out, version = {"whole": [], "delta": []}, 0
+    for n, delta in enumerate([False] * (pushes + 1) + [True] * (pushes + 1)):
+        trainer.step(lr)
+        state, times, push_id = trainer.cast(), {}, f"phases-{n}"
+        start = time.perf_counter()
+        encoded = encoder.encode(state, version, delta)  # whole: the copy of every tensor the trainer keeps
+        times["encode_s"] = _lap(start)
+        start = time.perf_counter()
+        packed = list(packer.pack_buckets(encoded.state_dict))
+        manifest = Manifest(tuple(e for p in packed for e in p.entries), tuple(p.nbytes for p in packed))
+        times["pack_s"] = _lap(start)
+        buckets = [assemble([seg.copy() for seg in p.segments])[0] for p in packed]  # one run, as a store lays it
+        start = time.perf_counter()
+        for p, bucket in zip(packed, buckets, strict=True):
+            worker.stage_bucket(push_id, p.index, p.entries, [bucket], checksums=True)
+        times["receive_s"] = _lap(start)
+        start = time.perf_counter()
+        worker.prepare_push(push_id, manifest)
+        times["prepare_s"] = _lap(start)
+        start = time.perf_counter()
+        version = worker.commit_push(push_id, version + 1, "keep")
+        times["commit_s"] = _lap(start)
+        start = time.perf_counter()
+        encoder.commit(encoded)
+        times["copy_update_s"] = _lap(start)
+        times["bytes_sent"], times["changed"] = encoded.cost.bytes_sent, encoded.cost.changed_fraction
+        if n % (pushes + 1):
+            out["delta" if delta else "whole"].append(times)
+    worker.engine.close()
+    return out
+
+
+def _lap(start: float) -> float:
+    return time.perf_counter() - start
+
+
+def bench_cluster(args, path: Path, trainer: Trainer, lrs: list[float], parts: set[str]) -> dict:
+    """The pushes through a cluster of 2 CPU actors: delta and LoRA against full."""
+    import ray
+
+    nodes = start_ray(args.nodes, args.store_mb)
+    cluster = rollout.init(
+        path,
+        num_actors=2,
+        num_cpus_per_actor=1,
+        dtype="bfloat16",
+        max_seq_len=1024,
+        kv_cache_tokens=16384,
+        max_batch_size=64,
+        timeout_s=600,
+    )
+    out = {}
+    try:
+        out["actors_off_node"] = cluster.actors_off_node()
+        if "delta" in parts:
+            out["delta"] = bench_delta(cluster, trainer, lrs, args.pushes)
+        if "lora" in parts:
+            out["lora"] = bench_lora(cluster, trainer.cast(), args.rank, args.pushes)
+    finally:
+        cluster.shutdown()
+        ray.shutdown()
+        if nodes is not None:
+            nodes.shutdown()
+    return out
+
+
 def start_ray(nodes: int, store_mb: int):
     """A local Ray of `nodes` nodes; returns the `Cluster` to shut down, or None for one node."""
     if nodes == 1:
@@ -190,38 +271,18 @@ def main() -> None:
     args = parser.parse_args()
     lrs = [float(x) for x in args.lrs.split(",")]
     parts = set(args.parts.split(","))
-    if not parts or parts - {"delta", "lora", "sleep"}:
-        parser.error(f"--parts must name some of delta, lora, sleep; got {args.parts!r}")
-    import ray
-
-    nodes = start_ray(args.nodes, args.store_mb)
+    if not parts or parts - {"delta", "lora", "sleep", "phases"}:
+        parser.error(f"--parts must name some of delta, lora, sleep, phases; got {args.parts!r}")
     tmp = Path(tempfile.mkdtemp(prefix="bench_sync_kinds_"))
     write_checkpoint(tmp, CONFIG)
     trainer = Trainer(random_state(CONFIG, 0))
     results = {"host": describe(), "pushes": args.pushes, "nodes": args.nodes}
-    cluster = rollout.init(
-        tmp,
-        num_actors=2,
-        num_cpus_per_actor=1,
-        dtype="bfloat16",
-        max_seq_len=1024,
-        kv_cache_tokens=16384,
-        max_batch_size=64,
-        timeout_s=600,
-    )
-    try:
-        results["actors_off_node"] = cluster.actors_off_node()
-        if "delta" in parts:
-            results["delta"] = bench_delta(cluster, trainer, lrs, args.pushes)
-        if "lora" in parts:
-            results["lora"] = bench_lora(cluster, trainer.cast(), args.rank, args.pushes)
-    finally:
-        cluster.shutdown()
-        ray.shutdown()
-        if nodes is not None:
-            nodes.shutdown()
+    if parts & {"delta", "lora"}:
+        results.update(bench_cluster(args, tmp, trainer, lrs, parts))
     if "sleep" in parts:
         results["sleep"] = bench_sleep(tmp, trainer.cast())
+    if "phases" in parts:
+        results["phases"] = bench_phases(tmp, trainer, lrs[0], args.pushes)
     write_json(args.out, results)
     report(results)
 
@@ -232,14 +293,17 @@ def _median(runs: list[dict], key: str) -> float:
 
 def report(r: dict) -> None:
     print(r["host"])
-    where = "on another node than the driver" if r["actors_off_node"] else "on the driver's node"
-    print(f"{r['nodes']} Ray node(s), actors {where}")
+    if "actors_off_node" in r:
+        where = "on another node than the driver" if r["actors_off_node"] else "on the driver's node"
+        print(f"{r['nodes']} Ray node(s), actors {where}")
     if "delta" in r:
         report_delta(r["delta"])
     if "lora" in r:
         report_lora(r["lora"])
     if "sleep" in r:
         report_sleep(r["sleep"])
+    if "phases" in r:
+        report_phases(r["phases"])
 
 
 def report_delta(d: dict) -> None:
@@ -271,6 +335,15 @@ def report_sleep(s: dict) -> None:
             f"{s[f'sleep{level}_s'] * 1e3:.1f} ms; wake_up {s[f'wake{level}_s'] * 1e3:.1f} ms"
         )
     print(f"push after sleep(2): {s['push_after_level2_s'] * 1e3:.0f} ms")
+
+
+def report_phases(r: dict) -> None:
+    print("parts of a push in one process (medians, ms): kind, MiB, changed, then each part")
+    for kind, runs in r.items():
+        keys = [k for k in runs[0] if k.endswith("_s")]
+        parts = ", ".join(f"{k.removesuffix('_s')} {_median(runs, k) * 1e3:.0f}" for k in keys)
+        mib, changed = _median(runs, "bytes_sent") / 2**20, _median(runs, "changed")
+        print(f"  {kind}: {mib:.1f} MiB, {changed:.2%} changed: {parts}")
 
 
 if __name__ == "__main__":
