@@ -272,8 +272,8 @@ class DeltaEncoder:
                 changed_elements += new.numel()
                 continue
             new = new.detach()
-            where, changed = self._compare(new, old)
-            k = where.numel()
+            changed = self._compare(new, old)
+            k = int(changed.count_nonzero()) if changed.device.type != "cpu" else np.count_nonzero(changed.numpy())
             changed_elements += k
             if k == 0:
                 counts["unchanged"] += 1
@@ -283,6 +283,7 @@ class DeltaEncoder:
             if how == "full":
                 out[name], pending[name] = new, ("whole", new.clone())
                 continue
+            where = _flat_nonzero(changed)  # only now: for a tensor sent whole it is not needed
             values = out[name + VALUES] = _take(new, where)
             if how == "mask":
                 out[name + MASK] = pack_mask(changed)
@@ -297,19 +298,16 @@ class DeltaEncoder:
         cost = PushCost(sent, full, 0.0, "delta" if used_delta else "full", counts, changed_elements / max(elements, 1))
         return Encoded(out, pending, dataclasses.replace(cost, seconds=time.perf_counter() - start))
 
-    def _compare(self, new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int64 flat indices where the bits differ, the flat bool mask of them).
-        On the host: one numpy `not_equal` of the bit patterns (bf16 as int16)
-        into the kept scratch, then `flatnonzero`: two passes, no allocation
-        but the indices. The mask is valid until the next call."""
+    def _compare(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """The flat bool mask of the elements whose bits differ. On the host
+        one numpy `not_equal` of the bit patterns (bf16 as int16) into the
+        kept scratch, allocating nothing; valid until the next call."""
         if new.device.type != "cpu":
-            changed = torch.ne(_as_bits(new), _as_bits(old))
-            return changed.nonzero().view(-1), changed
+            return torch.ne(_as_bits(new), _as_bits(old))
         n = new.numel()
         if self._scratch.size < n:
             self._scratch = np.empty(n, dtype=np.bool_)
-        changed = np.not_equal(_as_bits(new).numpy(), _as_bits(old).numpy(), out=self._scratch[:n])
-        return torch.from_numpy(np.flatnonzero(changed)), torch.from_numpy(changed)
+        return torch.from_numpy(np.not_equal(_as_bits(new).numpy(), _as_bits(old).numpy(), out=self._scratch[:n]))
 
     def commit(self, encoded: Encoded) -> None:
         """Every engine holds `encoded`: make it the reference."""
