@@ -62,7 +62,8 @@ class Encoded:
     """One encoded push: what to send, what `DeltaEncoder.commit` applies, its cost."""
 
     state_dict: dict[str, torch.Tensor]  # the push to send
-    pending: dict[str, tuple]  # name -> ("whole", copy) | ("index", int64 flat indices of changed elements, values)
+    pending: dict[str, tuple]  # name -> ("whole", copy) | ("copy", the caller's tensor) | ("index", int64 flat
+    # indices of changed elements, values)
     cost: PushCost  # seconds: the encoding's alone
 
 
@@ -254,10 +255,15 @@ class DeltaEncoder:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.reference.values())
 
-    def encode(self, state_dict: Mapping[str, torch.Tensor], base: int, delta: bool = True) -> Encoded:
+    def encode(
+        self, state_dict: Mapping[str, torch.Tensor], base: int, delta: bool = True, stable: bool = False
+    ) -> Encoded:
         """The push to send and what `commit` applies. With `delta=False`, or
         for names the reference lacks or holds at another shape or dtype,
-        tensors go whole."""
+        tensors go whole. `stable=True`: the caller's tensors keep their
+        values until `commit` (a push that waits for its commit), so a tensor
+        sent whole is copied into the reference's own memory then, not
+        cloned now (no new memory to fault in)."""
         start = time.perf_counter()
         out: dict[str, torch.Tensor] = {BASE: torch.tensor([base], dtype=torch.int64)} if delta else {}
         pending: dict[str, tuple] = {}
@@ -267,7 +273,7 @@ class DeltaEncoder:
             old = self.reference.get(name)
             elements += new.numel()
             if not delta or old is None or old.shape != new.shape or old.dtype != new.dtype:
-                out[name], pending[name] = new, ("whole", new.detach().clone())
+                out[name], pending[name] = new, self._whole(new, old, stable)
                 counts["full"] += 1
                 changed_elements += new.numel()
                 continue
@@ -281,7 +287,7 @@ class DeltaEncoder:
             how = choose(new.numel(), k, new.element_size())
             counts[how] += 1
             if how == "full":
-                out[name], pending[name] = new, ("whole", new.clone())
+                out[name], pending[name] = new, self._whole(new, old, stable)
                 continue
             where = _flat_nonzero(changed)  # only now: for a tensor sent whole it is not needed
             values = out[name + VALUES] = _take(new, where)
@@ -309,16 +315,32 @@ class DeltaEncoder:
             self._scratch = np.empty(n, dtype=np.bool_)
         return torch.from_numpy(np.not_equal(_as_bits(new).numpy(), _as_bits(old).numpy(), out=self._scratch[:n]))
 
+    @staticmethod
+    def _whole(new: torch.Tensor, old: torch.Tensor | None, stable: bool) -> tuple:
+        """What `commit` does for a tensor sent whole."""
+        same = old is not None and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
+        return ("copy", new.detach()) if stable and same else ("whole", new.detach().clone())
+
     def commit(self, encoded: Encoded) -> None:
         """Every engine holds `encoded`: make it the reference."""
         for name, item in encoded.pending.items():
-            if item[0] == "whole":
+            if item[0] == "copy":
+                _copy(self.reference[name], item[1])
+            elif item[0] == "whole":
                 self.reference[name] = item[1]
             else:
                 put(self.reference[name].view(-1), item[1], item[2])
 
     def clear(self) -> None:
         self.reference.clear()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)`, on the host through numpy (one thread, see `put`)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu" and src.is_contiguous():
+        np.copyto(_as_bits(dst).numpy(), _as_bits(src).numpy())
+    else:
+        dst.copy_(src)
 
 
 def _as_int32(where: torch.Tensor) -> torch.Tensor:

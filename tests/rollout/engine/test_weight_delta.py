@@ -68,6 +68,20 @@ def test_encoder_sends_changed_bits_only_and_keeps_its_copy():
     assert all(torch.equal(_bits(enc.reference[n]), _bits(new[n])) for n in new)
 
 
+def test_a_push_that_does_not_wait_keeps_what_it_sent_not_what_the_caller_changed_after():
+    enc = DeltaEncoder()
+    enc.commit(enc.encode({"a": torch.zeros(64, dtype=BF16)}, base=0))
+    new = {"a": torch.ones(64, dtype=BF16)}  # every element changed: sent whole
+    later = enc.encode(new, base=1, stable=False)  # the caller may change its tensors before the commit
+    new["a"].fill_(5.0)
+    enc.commit(later)
+    assert torch.equal(enc.reference["a"], torch.ones(64, dtype=BF16))
+    waited = enc.encode({"a": torch.full((64,), 2.0, dtype=BF16)}, base=2, stable=True)
+    kept = enc.reference["a"]
+    enc.commit(waited)  # copied into the copy's own memory at commit
+    assert enc.reference["a"] is kept and torch.equal(kept, torch.full((64,), 2.0, dtype=BF16))
+
+
 def _train_steps(model, steps: int, lr: float, seed: int):
     """AdamW on float32 master weights; yields after each step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
