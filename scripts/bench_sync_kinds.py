@@ -9,8 +9,18 @@ tied), served in bfloat16 by 2 actors of one CPU each. Gradients are random
 normals: the optimizer's update is AdamW's own, its size set by the
 learning rate, which is what decides how many bf16 values change.
 
+With `--nodes 2` the local Ray is two nodes on this host
+(`ray.cluster_utils.Cluster`): the driver's node runs no actor and both
+actors run on the second, so every bucket crosses from one node's object
+store to the other's, as it does for an actor on another machine (at this
+host's loopback speed, not a network's). `--parts` picks what to run;
+`phases` (not run by default) times the parts of whole and delta pushes
+at the first learning rate in this process, without Ray or a transfer:
+the trainer's encoding, packing, an actor's receipt (checksums), phase one
+and commit, and the update of the trainer's copy.
+
     python -m scripts.bench_sync_kinds [--pushes 4] [--lrs 1e-6,1e-5,1e-4,1e-3] [--rank 16] \
-        [--out runs/bench_sync_kinds.json]
+        [--nodes 1] [--parts delta,lora,sleep] [--out runs/bench_sync_kinds.json]
 """
 
 from __future__ import annotations
@@ -155,24 +165,60 @@ def bench_sleep(path: Path, state: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m scripts.bench_sync_kinds", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pushes", type=int, default=4)
-    parser.add_argument("--lrs", default="1e-6,1e-5,1e-4,1e-3")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--store-mb", type=int, default=1536)
-    parser.add_argument("--out", type=Path, default=Path("runs/bench_sync_kinds.json"))
-    args = parser.parse_args()
-    lrs = [float(x) for x in args.lrs.split(",")]
+def bench_phases(path: Path, trainer: Trainer, lr: float, pushes: int) -> dict:
+    """Seconds of each part of `pushes` whole, then `pushes` delta, pushes into
+    one in-process actor; the first of each kind warms up and is left out."""
+    from rollout.cluster.actor import RolloutWorker
+    from rollout.cluster.wire import Manifest
+    from rollout.cluster.wire_receive import assemble
+    from rollout.cluster.wire_send import BucketPacker
+    from rollout.engine.weight_delta import DeltaEncoder
+
+    engine = dict(device="cpu", dtype="bfloat16", max_batch_size=8, max_seq_len=128, kv_cache_tokens=1024)
+    worker, encoder, packer = RolloutWorker(path, engine), DeltaEncoder(), BucketPacker()
+    out, version = {"whole": [], "delta": []}, 0
+    for n, delta in enumerate([False] * (pushes + 1) + [True] * (pushes + 1)):
+        trainer.step(lr)
+        state, times, push_id = trainer.cast(), {}, f"phases-{n}"
+        start = time.perf_counter()
+        encoded = encoder.encode(state, version, delta)  # whole: the copy of every tensor the trainer keeps
+        times["encode_s"] = _lap(start)
+        start = time.perf_counter()
+        packed = list(packer.pack_buckets(encoded.state_dict))
+        manifest = Manifest(tuple(e for p in packed for e in p.entries), tuple(p.nbytes for p in packed))
+        times["pack_s"] = _lap(start)
+        buckets = [assemble([seg.copy() for seg in p.segments])[0] for p in packed]  # one run, as a store lays it
+        start = time.perf_counter()
+        for p, bucket in zip(packed, buckets, strict=True):
+            worker.stage_bucket(push_id, p.index, p.entries, [bucket], checksums=True)
+        times["receive_s"] = _lap(start)
+        start = time.perf_counter()
+        worker.prepare_push(push_id, manifest)
+        times["prepare_s"] = _lap(start)
+        start = time.perf_counter()
+        version = worker.commit_push(push_id, version + 1, "keep")
+        times["commit_s"] = _lap(start)
+        start = time.perf_counter()
+        encoder.commit(encoded)
+        times["copy_update_s"] = _lap(start)
+        times["bytes_sent"], times["changed"] = encoded.cost.bytes_sent, encoded.cost.changed_fraction
+        if n % (pushes + 1):
+            out["delta" if delta else "whole"].append(times)
+    worker.engine.close()
+    return out
+
+
+def _lap(start: float) -> float:
+    return time.perf_counter() - start
+
+
+def bench_cluster(args, path: Path, trainer: Trainer, lrs: list[float], parts: set[str]) -> dict:
+    """The pushes through a cluster of 2 CPU actors: delta and LoRA against full."""
     import ray
 
-    start_local_ray(args.store_mb)
-    tmp = Path(tempfile.mkdtemp(prefix="bench_sync_kinds_"))
-    write_checkpoint(tmp, CONFIG)
-    trainer = Trainer(random_state(CONFIG, 0))
-    results = {"host": describe(), "pushes": args.pushes}
+    nodes = start_ray(args.nodes, args.store_mb)
     cluster = rollout.init(
-        tmp,
+        path,
         num_actors=2,
         num_cpus_per_actor=1,
         dtype="bfloat16",
@@ -181,13 +227,62 @@ def main() -> None:
         max_batch_size=64,
         timeout_s=600,
     )
+    out = {}
     try:
-        results["delta"] = bench_delta(cluster, trainer, lrs, args.pushes)
-        results["lora"] = bench_lora(cluster, trainer.cast(), args.rank, args.pushes)
+        out["actors_off_node"] = cluster.actors_off_node()
+        if "delta" in parts:
+            out["delta"] = bench_delta(cluster, trainer, lrs, args.pushes)
+        if "lora" in parts:
+            out["lora"] = bench_lora(cluster, trainer.cast(), args.rank, args.pushes)
     finally:
         cluster.shutdown()
         ray.shutdown()
-    results["sleep"] = bench_sleep(tmp, trainer.cast())
+        if nodes is not None:
+            nodes.shutdown()
+    return out
+
+
+def start_ray(nodes: int, store_mb: int):
+    """A local Ray of `nodes` nodes; returns the `Cluster` to shut down, or None for one node."""
+    if nodes == 1:
+        start_local_ray(store_mb)
+        return None
+    import ray
+    from ray.cluster_utils import Cluster
+
+    store = {"object_store_memory": store_mb * 2**20, "_system_config": {"preallocate_plasma_memory": True}}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **store})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=2, object_store_memory=store_mb * 2**20)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_sync_kinds", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pushes", type=int, default=4)
+    parser.add_argument("--lrs", default="1e-6,1e-5,1e-4,1e-3")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--store-mb", type=int, default=1536)
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1)
+    parser.add_argument("--parts", default="delta,lora,sleep")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_sync_kinds.json"))
+    args = parser.parse_args()
+    lrs = [float(x) for x in args.lrs.split(",")]
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"delta", "lora", "sleep", "phases"}:
+        parser.error(f"--parts must name some of delta, lora, sleep, phases; got {args.parts!r}")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_sync_kinds_"))
+    write_checkpoint(tmp, CONFIG)
+    trainer = Trainer(random_state(CONFIG, 0))
+    results = {"host": describe(), "pushes": args.pushes, "nodes": args.nodes}
+    if parts & {"delta", "lora"}:
+        results.update(bench_cluster(args, tmp, trainer, lrs, parts))
+    if "sleep" in parts:
+        results["sleep"] = bench_sleep(tmp, trainer.cast())
+    if "phases" in parts:
+        results["phases"] = bench_phases(tmp, trainer, lrs[0], args.pushes)
     write_json(args.out, results)
     report(results)
 
@@ -197,9 +292,22 @@ def _median(runs: list[dict], key: str) -> float:
 
 
 def report(r: dict) -> None:
-    d = r["delta"]
-    full_s, full_b = _median(d["full"], "seconds"), _median(d["full"], "bytes_sent")
     print(r["host"])
+    if "actors_off_node" in r:
+        where = "on another node than the driver" if r["actors_off_node"] else "on the driver's node"
+        print(f"{r['nodes']} Ray node(s), actors {where}")
+    if "delta" in r:
+        report_delta(r["delta"])
+    if "lora" in r:
+        report_lora(r["lora"])
+    if "sleep" in r:
+        report_sleep(r["sleep"])
+    if "phases" in r:
+        report_phases(r["phases"])
+
+
+def report_delta(d: dict) -> None:
+    full_s, full_b = _median(d["full"], "seconds"), _median(d["full"], "bytes_sent")
     print(f"full push: {full_b / 2**20:.0f} MiB bf16, median {full_s * 1e3:.0f} ms")
     print("delta pushes after AdamW steps (medians): lr, changed fraction, bytes sent / full, time / full")
     for lr, runs in d["delta"].items():
@@ -207,14 +315,18 @@ def report(r: dict) -> None:
         changed = _median(runs, "changed")
         print(f"  {lr:>6}: {changed:6.2%} changed, bytes {b / full_b:.3f}x, {s * 1e3:.0f} ms = {s / full_s:.2f}x")
     print(f"trainer's copy for deltas: {d['reference_bytes'] / 2**20:.0f} MiB")
-    lo = r["lora"]
+
+
+def report_lora(lo: dict) -> None:
     lb, ls = _median(lo["lora"], "bytes_sent"), _median(lo["lora"], "seconds")
     fb, fs = _median(lo["full_merged"], "bytes_sent"), _median(lo["full_merged"], "seconds")
     print(
         f"LoRA rank {lo['rank']}: {lb / 2**20:.1f} MiB in {ls * 1e3:.0f} ms against the merged model's "
         f"{fb / 2**20:.0f} MiB in {fs * 1e3:.0f} ms: bytes {lb / fb:.3f}x, time {ls / fs:.2f}x"
     )
-    s = r["sleep"]
+
+
+def report_sleep(s: dict) -> None:
     total = s["weights_bytes"] + s["kv_bytes"]
     for level in (1, 2):
         print(
@@ -223,6 +335,15 @@ def report(r: dict) -> None:
             f"{s[f'sleep{level}_s'] * 1e3:.1f} ms; wake_up {s[f'wake{level}_s'] * 1e3:.1f} ms"
         )
     print(f"push after sleep(2): {s['push_after_level2_s'] * 1e3:.0f} ms")
+
+
+def report_phases(r: dict) -> None:
+    print("parts of a push in one process (medians, ms): kind, MiB, changed, then each part")
+    for kind, runs in r.items():
+        keys = [k for k in runs[0] if k.endswith("_s")]
+        parts = ", ".join(f"{k.removesuffix('_s')} {_median(runs, k) * 1e3:.0f}" for k in keys)
+        mib, changed = _median(runs, "bytes_sent") / 2**20, _median(runs, "changed")
+        print(f"  {kind}: {mib:.1f} MiB, {changed:.2%} changed: {parts}")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ against the floor of a decode step and against itself without decode graphs;
 then the kernels (`scripts/gpu_kernels.py`): paged decode attention's
 bandwidth, per decode step GPU and host time and launches with the Triton
 kernels and with torch's ops, and the nano-vllm workload on Qwen2.5-0.5B,
-Qwen2.5-1.5B and (time allowing) Llama-3-8B shapes. Prints a table and writes
-JSON. Each section runs under a time limit; one that fails or runs out
-records why, and the next runs.
+Qwen2.5-1.5B and (time allowing) Llama-3-8B shapes; and sleep/wake of a
+bf16 engine (device memory handed back to the driver, times, samples after
+each wake against samples before). Prints a table and writes JSON. Each
+section runs under a time limit; one that fails or runs out records why,
+and the next runs.
 
     python -m scripts.gpu_check [--out runs/gpu_check.json]
     python -m scripts.gpu_check --smoke   # tiny sizes on the CPU: checks the script, not a GPU
@@ -170,6 +172,59 @@ def qwen_05b(root: Path, device: torch.device, config: dict, batches: tuple[int,
     return out
 
 
+def sleep_wake(root: Path, device: torch.device, config: dict, kv_tokens: int) -> dict:
+    """`sleep(1)` then `sleep(2)` of a bf16 engine that has served: the memory
+    each hands back (on CUDA the driver's free memory, `mem_get_info`, so
+    memory kept in torch's cache does not count; on the CPU the resident
+    memory), the time to sleep, to push the weights back after level 2 and to
+    wake, and whether the samples after each wake equal those before the
+    first sleep (same weights, same seeds)."""
+    path = root / "sleep_wake"
+    state = make_checkpoint(path, config, torch.bfloat16).state_dict()
+    engine = Engine(
+        path, device=device, dtype="bfloat16", max_batch_size=32, max_seq_len=256, kv_cache_tokens=kv_tokens
+    )
+    prompts = workload_prompts(4, 40, seed=9, vocab=config["vocab_size"])
+    params = SamplingParams(n=2, max_tokens=24, ignore_eos=True, seed=5, logprobs_mode="raw")
+    samples = lambda: [[s.token_ids for s in o.samples] for o in engine.generate(prompts, params)]  # noqa: E731
+    before = samples()
+    engine.kv_pool.k.fill_(0)  # the pool resident on the CPU too, as after long use
+    engine.kv_pool.v.fill_(0)
+    out = {"weights_bytes": sum(p.nbytes for p in engine.model.parameters()), "kv_bytes": engine.kv_pool.nbytes}
+    for level in (1, 2):
+        held = _held_bytes(device)
+        start = time.perf_counter()
+        engine.sleep(level)
+        out[f"sleep{level}_s"] = _synced(device, start)
+        out[f"sleep{level}_freed_bytes"] = held - _held_bytes(device)
+        if level == 2:
+            start = time.perf_counter()
+            engine.update_weights(state)
+            out["push_after_level2_s"] = _synced(device, start)
+        start = time.perf_counter()
+        engine.wake_up()
+        out[f"wake{level}_s"] = _synced(device, start)
+        out[f"level{level}_same_samples"] = samples() == before
+    engine.close()
+    return out
+
+
+def _held_bytes(device: torch.device) -> int:
+    """Memory this process holds: on CUDA the device's used memory as the driver sees it, else resident."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
+    from rollout.cluster.host import resident_bytes
+
+    return resident_bytes()
+
+
+def _synced(device: torch.device, start: float) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def timed_decode(engine: Engine, prompts, params, batch: int) -> tuple[int, float, float]:
     """Tokens and seconds of the workload after a warm-up run (which captures
     its graphs), and the median full-batch decode step's seconds."""
@@ -246,6 +301,7 @@ def sections(root: Path, device: torch.device, smoke: bool) -> dict:
             None,
         ),
         "qwen2.5_0.5b": (lambda: qwen_05b(root, device, qwen_model, batches=batches, max_tokens=max_tokens), 150, None),
+        "sleep_wake": (lambda: sleep_wake(root, device, qwen_model, 4096 if smoke else 262144), 60, None),
         "ceilings": (measure_ceilings, 30, None),
         "attention": (attention, 60, None),
         "decode_steps": (steps, 120, None),
@@ -350,6 +406,22 @@ def print_overlap(o: dict) -> None:
         )
 
 
+def print_sleep_wake(r: dict) -> None:
+    s = r.get("sleep_wake", {})
+    if "error" in s or "skipped" in s:
+        print(f"sleep_wake: {s.get('skipped') or s['error'].strip().splitlines()[-1]}")
+        return
+    if not s:
+        return
+    mib = 2**20
+    print(f"sleep/wake: weights {s['weights_bytes'] / mib:.0f} MiB, KV pool {s['kv_bytes'] / mib:.0f} MiB")
+    for level in (1, 2):
+        freed, slept, woke = s[f"sleep{level}_freed_bytes"] / mib, s[f"sleep{level}_s"] * 1e3, s[f"wake{level}_s"] * 1e3
+        same = s[f"level{level}_same_samples"]
+        print(f"  level {level}: freed {freed:.0f} MiB in {slept:.1f} ms, wake_up {woke:.1f} ms, same samples: {same}")
+    print(f"  whole push after level 2: {s['push_after_level2_s'] * 1e3:.0f} ms")
+
+
 def print_kernels(r: dict) -> None:
     """The kernels' sections: attention bandwidth, decode steps, the nano-vllm workload."""
     for name in ("ceilings", "attention", "decode_steps"):
@@ -387,6 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     results = run(args)
     print_table(results)
+    print_sleep_wake(results)
     print_kernels(results)
     return results
 

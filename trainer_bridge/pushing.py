@@ -89,7 +89,7 @@ class WeightPusher:
         base = self.target.policy_version
         if base != self._version or "weights" in self.target.asleep:
             self._encoder.clear()  # the engine holds other weights (another pusher) or none (a sleep): send whole
-        encoded = self._encoder.encode(state, base, delta)
+        encoded = self._encoder.encode(state, base, delta, stable=True)  # the update commits before this returns
         v = self.target.update_weights(encoded.state_dict, version, inflight)
         self._encoder.commit(encoded)
         self._version = v

@@ -97,7 +97,7 @@ class WeightPushes:
             self._pool.check_open()  # a shutdown may have finished while this call waited for the lock
             slots = self._pool.alive()
             shipping = True
-            shipment = self._ship(state_dict, version, push_id, slots, delta, started)
+            shipment = self._ship(state_dict, version, push_id, slots, delta, started, wait)
             if not wait:
                 return PushHandle(lambda: self._finish(shipment, inflight))
         except BaseException:
@@ -112,7 +112,7 @@ class WeightPushes:
     def _abort(self, push_id: str, slots: list[ActorSlot]) -> None:
         self._pool.call_all(slots, "abort_push", (push_id,), "aborting a weight push", kill_hung=True)
 
-    def _ship(self, state_dict, requested, push_id: str, slots: list[ActorSlot], delta: bool, started: float):
+    def _ship(self, state_dict, requested, push_id, slots: list[ActorSlot], delta: bool, started: float, wait: bool):
         """Pack and put the buckets one by one, sending each to the actors as
         it lands: actors receive bucket i while bucket i+1 is packed. Once a
         delta push was asked for, every push is encoded against the copy of
@@ -128,7 +128,8 @@ class WeightPushes:
         if adapters:
             cost = adapter_cost(state_dict, self.engine_dtype, 0.0)
         elif self._encoder is not None:
-            encoded = self._encoder.encode(state_dict, self._versions.version, delta and not self.whole_next)
+            # A push that waits commits before its caller may change the tensors: no clone for the copy.
+            encoded = self._encoder.encode(state_dict, self._versions.version, delta and not self.whole_next, wait)
             state_dict, cost = encoded.state_dict, encoded.cost
         else:
             full = sum(t.nbytes for t in state_dict.values())

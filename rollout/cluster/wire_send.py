@@ -144,9 +144,19 @@ def _fill(segments: list[_Segment], scratch: np.ndarray) -> tuple[tuple[np.ndarr
         for name, tensor, offset in seg.tensors:
             raw = arrays[-1][offset - seg.offset : offset - seg.offset + _nbytes(tensor)]
             if not seg.in_place:
-                torch.from_numpy(raw).view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+                _copy_into(raw, tensor.detach())
             placed.append((name, tensor, offset, raw))
     return tuple(arrays), placed
+
+
+def _copy_into(raw: np.ndarray, tensor: torch.Tensor) -> None:
+    """Copy `tensor` into the bytes `raw`: a host tensor through numpy (one
+    thread: a torch copy of a delta's small tensors waits on its worker
+    threads longer than it copies, on a busy host)."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        np.copyto(raw, tensor.reshape(-1).view(torch.uint8).numpy())
+    else:
+        torch.from_numpy(raw).view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
 def _entries(index: int, placed: list, aliases: dict[str, list[str]]) -> tuple[TensorEntry, ...]:

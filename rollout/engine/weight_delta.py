@@ -18,8 +18,11 @@ with no changed element is left out.
 
 `DeltaEncoder` is the sending side: it keeps the last committed cast
 weights (the reference the deltas are taken against) and reports each
-push's cost (`PushCost`). The receiving side (`split`, `apply_patch`) builds
-the new value of each changed tensor from the live one, in phase one.
+push's cost (`PushCost`). The receiving side (`split`, `changed_at`) turns
+each patch into checked flat indices and values in phase one; the engine
+writes them with one scatter per tensor (`put`, from `weight_update`), into the
+live weights at commit or into a staged copy where the live ones are not
+its own to write.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ INDEX = "@delta.index"
 VALUES = "@delta.values"
 _SUFFIXES = (MASK, INDEX, VALUES)
 _BITS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)  # set bits per byte
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -60,7 +62,8 @@ class Encoded:
     """One encoded push: what to send, what `DeltaEncoder.commit` applies, its cost."""
 
     state_dict: dict[str, torch.Tensor]  # the push to send
-    pending: dict[str, tuple]  # name -> ("whole", copy) | ("index", flat indices of changed elements, values)
+    pending: dict[str, tuple]  # name -> ("whole", copy) | ("copy", the caller's tensor) | ("index", int64 flat
+    # indices of changed elements, values)
     cost: PushCost  # seconds: the encoding's alone
 
 
@@ -174,45 +177,62 @@ def _patch(state_dict: Mapping[str, torch.Tensor], name: str) -> Patch:
     return Patch(values, mask, index)
 
 
-def apply_patch(name: str, live: torch.Tensor, patch: Patch) -> torch.Tensor:
-    """A new tensor: `live` with `patch`'s elements set. Raises `ValueError`
-    naming `name` when the patch does not fit `live`; `live` is untouched."""
+def changed_at(name: str, live: torch.Tensor, patch: Patch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`patch` as (int64 flat indices into `live`, values in `live`'s dtype),
+    both on `live`'s device. Raises `ValueError` naming `name` when the patch
+    does not fit `live`; nothing is written."""
     n = live.numel()
-    values = patch.values.to(live.device, live.dtype)
-    new = live.clone().reshape(-1)
     if patch.mask is not None:
-        if patch.mask.numel() != math.ceil(n / 8):
-            raise ValueError(f"delta mask of {name!r} has {patch.mask.numel()} bytes, expected {math.ceil(n / 8)}")
-        if n % 8 and int(patch.mask[-1]) >> (n % 8):
-            raise ValueError(f"delta mask of {name!r} sets bits past the tensor's {n} elements")
         mask = patch.mask.contiguous()
-        _check_count(name, int(_POPCOUNT.to(mask.device)[mask.long()].sum()), values)
-        changed = unpack_mask(mask, n).to(live.device)
-        _scatter(new, changed, values)
+        if mask.numel() != math.ceil(n / 8):
+            raise ValueError(f"delta mask of {name!r} has {mask.numel()} bytes, expected {math.ceil(n / 8)}")
+        if n % 8 and int(mask[-1]) >> (n % 8):
+            raise ValueError(f"delta mask of {name!r} sets bits past the tensor's {n} elements")
+        where = _flat_nonzero(unpack_mask(mask, n))
     else:
-        where = patch.index.to(live.device, torch.int64)
-        if where.numel() and (int(where[0]) < 0 or int(where[-1]) >= n or not bool((where[1:] > where[:-1]).all())):
+        where = patch.index
+        if where.numel() and (int(where[0]) < 0 or int(where[-1]) >= n or not _increasing(where)):
             raise ValueError(f"delta indices of {name!r} must be strictly increasing and in [0, {n})")
-        _check_count(name, where.numel(), values)
-        new.index_copy_(0, where, values)
-    return new.view(live.shape)
+        where = _as_int64(where)
+    if where.numel() != patch.values.numel():
+        raise ValueError(
+            f"delta of {name!r} marks {where.numel()} changed elements but carries {patch.values.numel()} values"
+        )
+    return where.to(live.device), patch.values.to(live.device, live.dtype)
 
 
-def _check_count(name: str, count: int, values: torch.Tensor) -> None:
-    if count != values.numel():
-        raise ValueError(f"delta of {name!r} marks {count} changed elements but carries {values.numel()} values")
+def _increasing(t: torch.Tensor) -> bool:
+    if t.device.type == "cpu":
+        a = t.numpy()
+        return bool(np.all(a[1:] > a[:-1]))
+    return bool((t[1:] > t[:-1]).all())
 
 
-def _select(flat: torch.Tensor, changed: torch.Tensor) -> torch.Tensor:
-    """`flat[changed]`; on the host through numpy, which needs no index tensor."""
+def put(flat: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+    """`flat[where] = values` in place, for a flat tensor, int64 indices and
+    values of its dtype. On the host through numpy's indexed assignment on
+    the bit patterns: one thread (torch's `index_copy_` waits on its worker
+    threads on a busy host), and faster than `np.put`. Either way each
+    element is a random memory access: ~25-35 ns apiece on the development
+    host, so 2M changed elements take ~50-70 ms."""
     if flat.device.type != "cpu":
-        return flat[changed]
-    return torch.from_numpy(_as_bits(flat).numpy()[changed.numpy()]).view(flat.dtype)
+        flat.index_copy_(0, where, values)
+        return
+    _as_bits(flat.detach()).numpy()[where.numpy()] = _as_bits(values.detach()).numpy()
 
 
-def _scatter(flat: torch.Tensor, changed: torch.Tensor, values: torch.Tensor) -> None:
-    """`flat[changed] = values` in order, in place."""
-    flat.masked_scatter_(changed, values)
+def _as_int64(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cpu":
+        return t.to(torch.int64)
+    return torch.from_numpy(t.numpy().astype(np.int64))
+
+
+def _flat_nonzero(changed: torch.Tensor) -> torch.Tensor:
+    """int64 positions of the set elements of a flat bool tensor; on the host
+    numpy's, several times faster than torch's `nonzero` there."""
+    if changed.device.type != "cpu":
+        return changed.nonzero().view(-1)
+    return torch.from_numpy(np.flatnonzero(changed.numpy()))
 
 
 class DeltaEncoder:
@@ -223,19 +243,27 @@ class DeltaEncoder:
     `nbytes` in all. `encode` compares a new state dict with it bit for bit;
     `commit` applies an encoded push to it once every engine holds it, so a
     push that fails leaves the reference at the weights the engines serve.
+    On the host the comparison writes into one scratch of bools, the size of
+    the largest tensor, kept between pushes.
     """
 
     def __init__(self) -> None:
         self.reference: dict[str, torch.Tensor] = {}
+        self._scratch = np.empty(0, dtype=np.bool_)
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.reference.values())
 
-    def encode(self, state_dict: Mapping[str, torch.Tensor], base: int, delta: bool = True) -> Encoded:
+    def encode(
+        self, state_dict: Mapping[str, torch.Tensor], base: int, delta: bool = True, stable: bool = False
+    ) -> Encoded:
         """The push to send and what `commit` applies. With `delta=False`, or
         for names the reference lacks or holds at another shape or dtype,
-        tensors go whole."""
+        tensors go whole. `stable=True`: the caller's tensors keep their
+        values until `commit` (a push that waits for its commit), so a tensor
+        sent whole is copied into the reference's own memory then, not
+        cloned now (no new memory to fault in)."""
         start = time.perf_counter()
         out: dict[str, torch.Tensor] = {BASE: torch.tensor([base], dtype=torch.int64)} if delta else {}
         pending: dict[str, tuple] = {}
@@ -245,12 +273,13 @@ class DeltaEncoder:
             old = self.reference.get(name)
             elements += new.numel()
             if not delta or old is None or old.shape != new.shape or old.dtype != new.dtype:
-                out[name], pending[name] = new, ("whole", new.detach().clone())
+                out[name], pending[name] = new, self._whole(new, old, stable)
                 counts["full"] += 1
                 changed_elements += new.numel()
                 continue
-            changed = torch.ne(_as_bits(new), _as_bits(old))
-            k = int(changed.count_nonzero())
+            new = new.detach()
+            changed = self._compare(new, old)
+            k = int(changed.count_nonzero()) if changed.device.type != "cpu" else np.count_nonzero(changed.numpy())
             changed_elements += k
             if k == 0:
                 counts["unchanged"] += 1
@@ -258,33 +287,69 @@ class DeltaEncoder:
             how = choose(new.numel(), k, new.element_size())
             counts[how] += 1
             if how == "full":
-                out[name], pending[name] = new, ("whole", new.detach().clone())
+                out[name], pending[name] = new, self._whole(new, old, stable)
                 continue
-            flat = new.detach().reshape(-1)
+            where = _flat_nonzero(changed)  # only now: for a tensor sent whole it is not needed
+            values = out[name + VALUES] = _take(new, where)
             if how == "mask":
-                values = out[name + VALUES] = _select(flat, changed)
                 out[name + MASK] = pack_mask(changed)
-                pending[name] = ("whole", new.detach().clone())  # one copy: cheaper than a masked scatter
             else:
-                where = changed.nonzero().view(-1)
-                values = out[name + VALUES] = flat.index_select(0, where)
-                out[name + INDEX] = where.to(torch.int32)
-                pending[name] = ("index", where, values)
+                out[name + INDEX] = where.to(torch.int32) if where.device.type != "cpu" else _as_int32(where)
+            pending[name] = ("index", where, values)
         used_delta = counts["mask"] + counts["index"] + counts["unchanged"] > 0
         # Every tensor whole: a plain push, valid over any version.
-        out = {k: v for k, v in out.items() if v is not None and (used_delta or k != BASE)}
+        out = {k: v for k, v in out.items() if used_delta or k != BASE}
         sent = sum(t.nbytes for t in out.values())
         full = sum(t.nbytes for t in state_dict.values())
         cost = PushCost(sent, full, 0.0, "delta" if used_delta else "full", counts, changed_elements / max(elements, 1))
         return Encoded(out, pending, dataclasses.replace(cost, seconds=time.perf_counter() - start))
 
+    def _compare(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """The flat bool mask of the elements whose bits differ. On the host
+        one numpy `not_equal` of the bit patterns (bf16 as int16) into the
+        kept scratch, allocating nothing; valid until the next call."""
+        if new.device.type != "cpu":
+            return torch.ne(_as_bits(new), _as_bits(old))
+        n = new.numel()
+        if self._scratch.size < n:
+            self._scratch = np.empty(n, dtype=np.bool_)
+        return torch.from_numpy(np.not_equal(_as_bits(new).numpy(), _as_bits(old).numpy(), out=self._scratch[:n]))
+
+    @staticmethod
+    def _whole(new: torch.Tensor, old: torch.Tensor | None, stable: bool) -> tuple:
+        """What `commit` does for a tensor sent whole."""
+        same = old is not None and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
+        return ("copy", new.detach()) if stable and same else ("whole", new.detach().clone())
+
     def commit(self, encoded: Encoded) -> None:
         """Every engine holds `encoded`: make it the reference."""
         for name, item in encoded.pending.items():
-            if item[0] == "whole":
+            if item[0] == "copy":
+                _copy(self.reference[name], item[1])
+            elif item[0] == "whole":
                 self.reference[name] = item[1]
             else:
-                self.reference[name].view(-1).index_copy_(0, item[1], item[2])
+                put(self.reference[name].view(-1), item[1], item[2])
 
     def clear(self) -> None:
         self.reference.clear()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)`, on the host through numpy (one thread, see `put`)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu" and src.is_contiguous():
+        np.copyto(_as_bits(dst).numpy(), _as_bits(src).numpy())
+    else:
+        dst.copy_(src)
+
+
+def _as_int32(where: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(where.numpy().astype(np.int32))
+
+
+def _take(t: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """The elements of `t` at the flat positions `where`, in order."""
+    flat = t.reshape(-1)
+    if flat.device.type != "cpu":
+        return flat.index_select(0, where)
+    return torch.from_numpy(np.take(_as_bits(flat).numpy(), where.numpy())).view(t.dtype)

@@ -74,14 +74,40 @@ def _adapter(state_dict: Mapping[str, torch.Tensor], name: str) -> Adapter:
     return Adapter(a, b, float(scaling.reshape(-1)[0]))
 
 
+MERGE_BLOCK = 1 << 16  # elements of the wide scratch one block of rows is merged in: it stays in cache
+
+
 def merge(name: str, base: torch.Tensor, adapter: Adapter) -> torch.Tensor:
-    """`base + scaling * B @ A` in float32 (float64 for float64), in `base`'s dtype and device."""
+    """`base + scaling * B @ A` in float32 (float64 for float64), in `base`'s dtype and device.
+
+    On the host it runs over blocks of rows through one cache-sized wide
+    scratch, so no whole float32 copy of the tensor is made (each row's
+    result is the same as one `addmm` over the whole tensor: a row's dot
+    products do not depend on the other rows)."""
     rows, cols = adapter.b.shape[0], adapter.a.shape[1]
     if base.dim() != 2 or tuple(base.shape) != (rows, cols):
         raise ValueError(f"adapter of {name!r} makes a ({rows}, {cols}) update; the tensor is {tuple(base.shape)}")
     wide = torch.float64 if base.dtype == torch.float64 else torch.float32
     a, b = (t.to(base.device, wide) for t in (adapter.a, adapter.b))
-    return torch.addmm(base.to(wide), b, a, alpha=adapter.scaling).to(base.dtype)
+    if base.device.type != "cpu":
+        return torch.addmm(base.to(wide), b, a, alpha=adapter.scaling).to(base.dtype)
+    out = torch.empty_like(base)
+    step = max(1, MERGE_BLOCK // max(cols, 1))
+    scratch = torch.empty(min(step, rows), cols, dtype=wide)
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        block = scratch[:n]
+        block.copy_(base[start : start + n])
+        block.addmm_(b[start : start + n], a, alpha=adapter.scaling)
+        out[start : start + n].copy_(block)
+    return out
+
+
+def same(x: Adapter, y: Adapter) -> bool:
+    """Whether two adapters are bit for bit the same update."""
+    return x.scaling == y.scaling and all(
+        p.dtype == q.dtype and p.shape == q.shape and torch.equal(p, q) for p, q in ((x.a, y.a), (x.b, y.b))
+    )
 
 
 class LoraPlan(NamedTuple):
@@ -90,14 +116,18 @@ class LoraPlan(NamedTuple):
     full: dict[str, torch.Tensor]  # every tensor the push sets, adapted ones merged
     new_bases: dict[str, torch.Tensor]  # bases kept from now on (first adapter push, or a whole value with one)
     cleared: frozenset[str]  # tensors set without an adapter: their base goes
+    merged: dict[str, Adapter] = {}  # the adapters merged into `full` (copies, kept once committed)
 
 
 class LoraBases:
     """Per adapted tensor, its base weights: one copy of every tensor an
-    adapter push set, at the engine's dtype, `nbytes` in all."""
+    adapter push set, at the engine's dtype, `nbytes` in all; and the
+    adapter merged into the live value, so a push that resends it unchanged
+    merges nothing for that tensor."""
 
     def __init__(self) -> None:
         self.bases: dict[str, torch.Tensor] = {}
+        self.merged: dict[str, Adapter] = {}
 
     @property
     def nbytes(self) -> int:
@@ -108,26 +138,32 @@ class LoraBases:
         does to the bases; `live(name)` is a tensor's live value. Nothing
         changes here."""
         whole, adapters = split(state_dict)
-        full, new_bases = dict(whole), {}
+        full, new_bases, merged = dict(whole), {}, {}
         for name, adapter in adapters.items():
             current = live(name)
             if name in whole:
                 base = new_bases[name] = whole[name].to(current.device, current.dtype)
             elif name in self.bases:
+                if name in self.merged and same(adapter, self.merged[name]):
+                    continue  # the live value is this very merge already
                 base = self.bases[name]
             else:
                 base = new_bases[name] = current.clone()
             full[name] = merge(name, base, adapter)
-        return LoraPlan(full, new_bases, frozenset(whole) - frozenset(adapters))
+            merged[name] = Adapter(adapter.a.clone(), adapter.b.clone(), adapter.scaling)  # not the bucket's memory
+        return LoraPlan(full, new_bases, frozenset(whole) - frozenset(adapters), merged)
 
     def commit(self, plan: LoraPlan) -> None:
         """`plan`'s push committed: tensors it set without an adapter lose their base."""
         for name in plan.cleared:
             self.bases.pop(name, None)
+            self.merged.pop(name, None)
         self.bases.update(plan.new_bases)
+        self.merged.update(plan.merged)
 
     def clear(self) -> None:
         self.bases.clear()
+        self.merged.clear()
 
 
 def adapter_cost(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, seconds: float) -> PushCost:

@@ -13,6 +13,14 @@ without touching the live weights; `commit` then installs it under the guard:
 - On a device, captured graphs hold parameter pointers, so a commit copies
   staging (or an adopted source already on the device) into the live
   parameters: one device copy per touched parameter.
+- A delta push (`weight_delta`) is checked and turned into flat indices and
+  values in phase one; the commit writes them into the live weights with
+  one scatter per tensor (`weight_delta.put`), copying nothing else. On the
+  host, a parameter the engine does not own (an adopted object-store
+  bucket, shared with other actors and read-only) or one whose patch is
+  dense (more than 1/32 of it: a scatter under the guard would pause
+  generation longer than a rebind) gets a staged copy instead, patched in
+  phase one and rebound at commit, as a whole tensor would.
 
 Staging buffers are allocated on first use and reused by every later update.
 """
@@ -27,7 +35,7 @@ import torch
 
 from ..model.decoder import Model
 from ..model.weight_slots import WeightSlot
-from .weight_delta import BASE, apply_patch, is_delta, split
+from .weight_delta import BASE, changed_at, is_delta, put, split
 from .weight_lora import LoraBases, LoraPlan, has_adapters
 
 
@@ -44,14 +52,23 @@ class StagedUpdate:
     base: int | None = None  # a delta's base version: the commit refuses to install it over any other
     restores: bool = False  # it sets every weight that a sleep discarded (see `rollout.engine.sleep`)
     lora: LoraPlan | None = None  # what the commit does to the adapter bases (None: nothing)
+    patches: list[tuple[WeightSlot, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # (slot, int64 flat indices, values) a delta writes into the live weights at commit, after the swaps
+
+
+Patches = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (int64 flat indices, values), checked
 
 
 class Expanded(NamedTuple):
     """A push as the tensors it sets."""
 
     base: int | None  # a delta's base version
-    state_dict: Mapping[str, torch.Tensor]  # every tensor it sets, whole
+    state_dict: Mapping[str, torch.Tensor]  # every tensor it sets whole
     lora: LoraPlan | None  # what its commit does to the adapter bases
+    patches: Patches = {}  # tensors a delta sets as changed elements
+
+
+DENSE = 32  # a patch of more than 1/DENSE of a host parameter is staged in a copy, not scattered at commit
 
 
 class WeightUpdater:
@@ -67,7 +84,7 @@ class WeightUpdater:
     def expand(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Expanded:
         """Every tensor a push sets, with what a delta or adapter push needs
         at commit. A plain push is itself; a delta push (`weight_delta`) is
-        checked against `version` and its tensors built from the live
+        checked against `version` and its patches against the live
         weights; an adapter push (`weight_lora`) is merged over the kept
         bases. Raises `ValueError`/`TypeError` naming the first bad entry;
         nothing changes here."""
@@ -88,10 +105,9 @@ class WeightUpdater:
                 f"delta push is relative to version {parts.base}, but this engine holds version {version}: "
                 "push the weights whole"
             )
-        full = dict(parts.whole)
-        for name, patch in parts.patches.items():
-            full[name] = apply_patch(name, self._live_view(name), patch)
-        return Expanded(parts.base, full, LoraPlan({}, {}, frozenset(full)) if self.lora.bases else None)
+        patches = {name: changed_at(name, self._live_view(name), p) for name, p in parts.patches.items()}
+        cleared = LoraPlan({}, {}, frozenset(parts.whole) | frozenset(patches)) if self.lora.bases else None
+        return Expanded(parts.base, parts.whole, cleared, patches)
 
     def _live_view(self, name: str) -> torch.Tensor:
         if name not in self.slots:
@@ -180,6 +196,49 @@ class WeightUpdater:
         staged.nbytes = sum(d.nbytes for d, _ in staged.copies) + sum(t.nbytes for t in staged.swaps.values())
         return staged
 
+    def stage_patches(self, staged: StagedUpdate, patches: Patches, check_finite: bool = True) -> None:
+        """Add a delta's `patches` to `staged`: written at commit into live
+        weights the engine owns, now into a staged copy where `staged` has
+        one for the parameter or, on the host, where the live weights are
+        adopted memory (a bucket other actors read too) or the patch is
+        dense (see the module docstring). Raises `ValueError` naming the
+        first bad patch; live weights are untouched."""
+        seen: dict[tuple[str, int, int], tuple[str, torch.Tensor, torch.Tensor]] = {}
+        for name, (where, values) in patches.items():
+            slot = self.slots[name]
+            key = (slot.param_name, slot.start, slot.rows)
+            if key in seen:  # a tied duplicate: the same rows, so it must carry the same change
+                first, w0, v0 = seen[key]
+                if not (torch.equal(where, w0) and torch.equal(values, v0)):
+                    raise ValueError(f"delta push changes {first!r} and {name!r} differently, but they are one tensor")
+                continue
+            seen[key] = (name, where, values)
+            if check_finite and not all_finite(values):
+                raise ValueError(f"delta values of {name!r} hold NaN or inf")
+            if slot.param_name in staged.adopted:
+                raise ValueError(f"delta push sets {name!r} both whole and as changed elements")
+            buffer = staged.staging.get(slot.param_name)
+            if buffer is None and slot.param_name not in staged.swaps and self._needs_copy(slot, where):
+                buffer = staged.staging[slot.param_name] = self._owned_copy(slot.param_name)
+                staged.swaps[slot.param_name] = buffer
+                staged.nbytes += buffer.nbytes
+            if buffer is not None:
+                put(slot.view(buffer).view(-1), where, values)
+            else:
+                staged.patches.append((slot, where, values))
+                staged.nbytes += values.nbytes
+
+    def _needs_copy(self, slot: WeightSlot, where: torch.Tensor) -> bool:
+        if not self.rebind:  # a device's live weights are the engine's own; graphs hold their pointers
+            return False
+        return slot.param_name in self._adopted or where.numel() * DENSE > slot.rows * slot.param[0].numel()
+
+    def _owned_copy(self, pname: str) -> torch.Tensor:
+        """A staging buffer holding the live value of `pname`."""
+        live = self._live[pname]
+        buffer = self._spare.pop(pname, None)
+        return torch.empty_like(live).copy_(live) if buffer is None else buffer.copy_(live)
+
     def _stage_param(self, pname: str, parts: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
         live = self._live[pname]
         staging = self._spare.pop(pname, None)
@@ -208,8 +267,11 @@ class WeightUpdater:
                     self._spare[pname] = old  # owned and replaced by owned: the next staging buffer
                 self._adopted.discard(pname)
             self._adopted |= staged.adopted
+            for slot, where, values in staged.patches:  # owned live weights: `stage_patches` checked
+                put(slot.view().view(-1), where, values)
         # Copies write views whose parameter names are not kept: every derived copy goes then.
-        self.model.weights_changed(None if staged.copies else staged.swaps.keys())
+        patched = {slot.param_name for slot, _, _ in staged.patches}
+        self.model.weights_changed(None if staged.copies else staged.swaps.keys() | patched)
         for pname, buffer in staged.staging.items():
             if pname not in staged.swaps:
                 self._spare.setdefault(pname, buffer)

@@ -55,6 +55,9 @@ def test_gpu_check_smoke_runs_every_check(smoke):
         assert row["decode_step_s"] > 0 and row["floor_s"] > 0 and row["speedup"] > 0
         assert row["graphs_off_decode_step_s"] > 0 and row["graphs_off_tokens_per_s"] > 0
     assert "qwen2.5-0.5b bf16 batch_32" in printed
+    sleep = results["sleep_wake"]  # the same weights and seeds after each wake: the same samples
+    assert sleep["level1_same_samples"] and sleep["level2_same_samples"]
+    assert sleep["push_after_level2_s"] > 0 and sleep["kv_bytes"] > 0
     # The kernels' sections, the Triton kernels under the interpreter.
     assert results["ceilings"]["copy_bandwidth_gb_s"] > 0
     for context in (16, 40):
@@ -108,7 +111,8 @@ def test_a_failing_section_is_recorded_and_the_others_run(smoke, tmp_path, capsy
         called.append("bench_25m")
         raise RuntimeError("capture exploded")
 
-    for name, replayed in (("parity", "parity"), ("kv_bf16", "kv_bf16"), ("qwen_05b", "qwen2.5_0.5b")):
+    replays = (("parity", "parity"), ("kv_bf16", "kv_bf16"), ("qwen_05b", "qwen2.5_0.5b"), ("sleep_wake", "sleep_wake"))
+    for name, replayed in replays:
         monkeypatch.setattr(gpu_check, name, replay(replayed))
     monkeypatch.setattr(gpu_check, "bench_25m", broken)
     monkeypatch.setattr(gpu_overlap, "overlap", replay("overlap"))
@@ -118,7 +122,7 @@ def test_a_failing_section_is_recorded_and_the_others_run(smoke, tmp_path, capsy
     monkeypatch.setattr(gpu_kernels, "nano_vllm_model", lambda root, device, config, name, **kw: nano[name]())
     out = tmp_path / "gpu_check.json"
     results = gpu_check.main(["--smoke", "--out", str(out)])
-    sections = ["parity", "overlap", "kv_bf16", "bench_25m", "qwen2.5_0.5b", "attention", "decode_steps"]
+    sections = ["parity", "overlap", "kv_bf16", "bench_25m", "qwen2.5_0.5b", "sleep_wake", "attention", "decode_steps"]
     assert called == sections + [f"nano_vllm_{name}" for name in nano]
     assert "RuntimeError: capture exploded" in results["bench_25m"]["error"]
     assert results["parity"] == measured["parity"]  # the section before it

@@ -68,6 +68,20 @@ def test_encoder_sends_changed_bits_only_and_keeps_its_copy():
     assert all(torch.equal(_bits(enc.reference[n]), _bits(new[n])) for n in new)
 
 
+def test_a_push_that_does_not_wait_keeps_what_it_sent_not_what_the_caller_changed_after():
+    enc = DeltaEncoder()
+    enc.commit(enc.encode({"a": torch.zeros(64, dtype=BF16)}, base=0))
+    new = {"a": torch.ones(64, dtype=BF16)}  # every element changed: sent whole
+    later = enc.encode(new, base=1, stable=False)  # the caller may change its tensors before the commit
+    new["a"].fill_(5.0)
+    enc.commit(later)
+    assert torch.equal(enc.reference["a"], torch.ones(64, dtype=BF16))
+    waited = enc.encode({"a": torch.full((64,), 2.0, dtype=BF16)}, base=2, stable=True)
+    kept = enc.reference["a"]
+    enc.commit(waited)  # copied into the copy's own memory at commit
+    assert enc.reference["a"] is kept and torch.equal(kept, torch.full((64,), 2.0, dtype=BF16))
+
+
 def _train_steps(model, steps: int, lr: float, seed: int):
     """AdamW on float32 master weights; yields after each step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
@@ -120,7 +134,7 @@ def test_a_bad_delta_is_refused_by_name_and_changes_nothing(qwen2):
     n = live.numel()
     good_mask = pack_mask(torch.arange(n) % 7 == 0)
     values = torch.ones(int((torch.arange(n) % 7 == 0).sum()), dtype=BF16)
-    base = torch.tensor([0])
+    base, one = torch.tensor([0]), torch.tensor([1], dtype=torch.int32)
     bad = [
         ({BASE: torch.tensor([3]), name + MASK: good_mask, name + VALUES: values}, "relative to version 3"),
         ({BASE: base, name + MASK: good_mask[:-1], name + VALUES: values}, "delta mask of"),
@@ -130,6 +144,17 @@ def test_a_bad_delta_is_refused_by_name_and_changes_nothing(qwen2):
         (
             {BASE: base, "model.nope" + INDEX: torch.tensor([1], dtype=torch.int32), "model.nope" + VALUES: values[:1]},
             "not a parameter",
+        ),
+        ({BASE: base, name + INDEX: one, name + VALUES: torch.tensor([float("nan")], dtype=BF16)}, "NaN"),
+        (  # the tied embedding and head are one tensor: two different changes to it cannot both hold
+            {
+                BASE: base,
+                "model.embed_tokens.weight" + INDEX: one,
+                "model.embed_tokens.weight" + VALUES: values[:1],
+                "lm_head.weight" + INDEX: one,
+                "lm_head.weight" + VALUES: values[:1] * 2,
+            },
+            "differently",
         ),
     ]
     for state, needle in bad:
@@ -141,6 +166,16 @@ def test_a_bad_delta_is_refused_by_name_and_changes_nothing(qwen2):
     expect = live.clone().view(-1)
     expect[torch.arange(n) % 7 == 0] = 1.0
     assert torch.equal(engine.model.weight_slots()[name].view().reshape(-1), expect)
+    # A sparse patch (at most 1/32 of the tensor) is written into the live weights at commit: no copy.
+    where = torch.tensor([0, 5, n - 1], dtype=torch.int32)
+    sparse = {BASE: torch.tensor([1]), name + INDEX: where, name + VALUES: torch.tensor([2.0, -3.0, 4.0], dtype=BF16)}
+    before = engine.model.weight_slots()[name].view().data_ptr()
+    staged = engine.prepare_weights(sparse)
+    assert not staged.staging and len(staged.patches) == 1
+    assert engine.commit_weights(staged) == 2
+    expect[where.long()] = torch.tensor([2.0, -3.0, 4.0], dtype=BF16)
+    after = engine.model.weight_slots()[name].view()
+    assert after.data_ptr() == before and torch.equal(after.reshape(-1), expect)
 
 
 def test_by_default_an_in_process_engine_gets_whole_pushes_and_no_copy_is_kept(qwen2):

@@ -70,9 +70,20 @@ def test_adapter_pushes_serve_peft_s_merged_model_without_accumulating(qwen2):
         _assert_serves(engine, _merged(pm), logprobs=step == 2)
     assert bridge.push(pm) == 4  # the same adapters again: merged from the kept base, not on top
     _assert_serves(engine, _merged(pm), logprobs=False)
+    staged = engine.prepare_weights(export_adapters(pm))  # unchanged adapters: nothing to merge again
+    assert not staged.swaps and not staged.copies
+    engine.discard_weights(staged)
+    lora_b = next(p for n, p in pm.named_parameters() if "layers.1.self_attn.v_proj.lora_B" in n)
+    with torch.no_grad():
+        lora_b.add_(0.01)
+    staged = engine.prepare_weights(export_adapters(pm))  # one changed adapter: only its tensor is merged
+    assert set(staged.swaps) == {"layers.1.qkv"}
+    engine.discard_weights(staged)
+    assert bridge.push(pm) == 5
+    _assert_serves(engine, _merged(pm), logprobs=False)
     # A whole push replaces the base: later adapters merge over it.
     new_base = _merged(pm)
-    assert bridge.push(new_base, delta=False) == 5
+    assert bridge.push(new_base, delta=False) == 6
     pm2 = _peft_model(new_base, seed=2)
     _train(pm2, steps=1, seed=9)
     bridge.push(pm2)
