@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Values
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from workspace import InferenceWorkspace
@@ -93,10 +94,10 @@ def feed_in_flight(ws: InferenceWorkspace, chunks: list[ScheduledChunk], last_sa
         ws.buffer("input_ids").index_copy_(0, to_device(dst, ws.device), sampled)
 
 
-def to_device(values: Values[int], device: torch.device) -> torch.Tensor:
+def to_device(values: Values[int] | np.ndarray, device: torch.device) -> torch.Tensor:
     """`values` as an int64 tensor on `device`; on CUDA copied from pinned memory
     without waiting (a plain copy from pageable memory waits for the device)."""
-    host = torch.tensor(values, dtype=torch.int64)
+    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.int64)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

@@ -60,30 +60,44 @@ class StepPipeline:
         (see `step_failures`), or the error propagates."""
         try:
             launched = self.stepper.launch(plan, staged=self.overlap)
+            result = None if self.overlap else self.stepper.collect(launched)  # a device error shows here
         except Exception:
             self.settle()  # the step before it ran: its tokens are applied first
             if not self._isolate(plan, failures):
                 raise
             return False
         self.scheduler.advance(plan)
+        if result is not None:
+            self.scheduler.apply(plan, result)
+            return True
         previous, self.inflight = self.inflight, InFlight(plan, launched)
         if previous is not None:
             self._apply(previous)
-        if not self.overlap:
-            self.settle()
         return True
 
     def settle(self) -> None:
-        """Apply the step in flight, if there is one (waiting for the device)."""
+        """Apply the step in flight, if there is one (waiting for the device). If that
+        fails, its tokens are dropped and the running sequences recomputed (`recover`)."""
         inflight, self.inflight = self.inflight, None
-        if inflight is not None:
+        if inflight is None:
+            return
+        try:
             self._apply(inflight)
+        except BaseException:
+            self.inflight = inflight
+            self.recover()
+            raise
 
     def settle_for_host(self) -> bool:
         """Settle when the step in flight sampled for rows whose next step reads their
         token history on the host (penalties count it, a grammar's matcher advances
-        with it); True when it did."""
-        if self.inflight is None or not any(_needs_history(s) for s in self.inflight.plan.samplers):
+        with it), or that scored prompt tokens; True when it did."""
+        inflight = self.inflight
+        if inflight is None:
+            return False
+        # A scoring step too: its prompt's logprobs decide when a scored request ends.
+        scores = inflight.launched.extras.scores is not None
+        if not scores and not any(_needs_history(s) for s in inflight.plan.samplers):
             return False
         self.settle()
         return True

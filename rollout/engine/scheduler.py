@@ -266,6 +266,7 @@ class Scheduler:
             # The step in flight feeds its last token: keep the KV a synchronous step would
             # have (the last token's is computed with the next turn), its extra page freed.
             self.kv.trim(seq, seq.num_tokens - 1)
+            seq.kv_high_water = min(seq.kv_high_water, seq.num_tokens - 1)
         slot = seq.request.lease_slot
         if slot is not None and reason != "abort":
             self.kv.save_routing(seq)

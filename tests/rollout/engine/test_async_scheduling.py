@@ -212,3 +212,33 @@ def test_structured_outputs_equal_the_synchronous_engine(ascii_engine, ascii_che
         expected, got = (e.generate(["Q: ", "A: "], params) for e in (ascii_engine, lagged))
         assert _snapshot(got) == _snapshot(expected)
     assert lagged.stats()["kv_pages_used"] == 0
+
+
+def test_a_commit_whose_settle_fails_recovers_and_the_run_stays_exact(qwen2, monkeypatch):
+    """The step in flight cannot be read back during a commit: the commit fails, nothing is
+    installed, the tokens in flight are dropped and sampled again, and the run goes on exactly."""
+    params = SamplingParams(n=2, max_tokens=16, seed=9, ignore_eos=True)
+    expected = make_engine(qwen2.path).generate(PROMPTS, params)
+    update = {"model.norm.weight": qwen2.hf.state_dict()["model.norm.weight"] * 2}
+    box = {"steps": 0}
+
+    def commit_at_third_step(info):
+        box["steps"] += 1
+        if box["steps"] == 3:
+            box["fail"] = True
+            with pytest.raises(RuntimeError, match="lost while reading back"):
+                lagged.update_weights(update, inflight="keep")
+            box["raised"] = True
+
+    lagged = make_engine(qwen2.path, async_scheduling=True, step_callback=commit_at_third_step)
+    real = lagged.stepper.collect
+
+    def collect(launched):
+        if box.pop("fail", False):
+            raise RuntimeError("device lost while reading back")
+        return real(launched)
+
+    monkeypatch.setattr(lagged.stepper, "collect", collect)
+    _assert_close(lagged.generate(PROMPTS, params), expected)  # recomputed KV: its rounding
+    assert box["raised"] and lagged.policy_version == 0
+    assert lagged.stats()["kv_pages_used"] == 0 and lagged._pipeline.inflight is None
