@@ -50,6 +50,9 @@ def test_gpu_check_smoke_runs_every_check(tmp_path, capsys):
             steps[f"torch_batch_{batch}"]["launches_per_step"] > 2 * steps[f"triton_batch_{batch}"]["launches_per_step"]
         )
         assert steps[f"triton_batch_{batch}"]["step_s"] > 0 and steps[f"triton_batch_{batch}"]["floor_s"] > 0
+    moe = results["moe"]  # a float32 Qwen3-MoE on the CPU: the expert loop, against transformers float32
+    assert moe["grouped_mm"] is False and moe["max_abs_dlogprob"] < 1e-4
+    assert moe["grouped_tokens_per_s"] > 0 and moe["loop_tokens_per_s"] > 0 and moe["speedup"] > 0
     _, lengths = gpu_kernels.nano_vllm_workload(3, 12, 12)
     for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b"):
         assert results[f"nano_vllm_{name}"]["triton"]["output_tokens"] == sum(lengths)
