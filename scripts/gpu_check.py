@@ -247,7 +247,11 @@ def sections(root: Path, device: torch.device, smoke: bool) -> dict:
     step_batches, step_tokens, dtype = ((8, 16), 3, "float32") if smoke else ((64, 128, 256), 128, "bfloat16")
     contexts, attention_batch = ((16, 40), 2) if smoke else ((128, 1024, 4096), 64)
     nano = dict(seqs=3, max_len=12) if smoke else dict(seqs=256, max_len=1024)
-    moe_model, moe_batch = (preset("grpo-demo-moe"), (2, 4)) if smoke else (preset("bench-moe"), (8, 64))
+    moe_model, moe_batch = (preset("bench-moe"), (8, 64))
+    if smoke:  # bench-moe's family at the smoke model's size
+        moe_model = {**moe_model, **SMOKE, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
+        moe_model["head_dim"] = 16
+        moe_model["model_type"], moe_batch = "qwen3_moe", (2, 4)
     ceilings: dict = {}
     bf16 = getattr(torch, dtype)
 
@@ -282,7 +286,7 @@ def sections(root: Path, device: torch.device, smoke: bool) -> dict:
         "attention": (attention, 60, None),
         "decode_steps": (steps, 120, None),
         "nano_vllm_qwen2.5-0.5b": (nano_run("qwen2.5-0.5b"), 120, None),
-        "moe": (lambda: moe(root, device, moe_model, bf16 if not smoke else torch.float32, *moe_batch), 90, 360),
+        "moe": (lambda: moe(root, device, moe_model, bf16, *moe_batch), 90, 360),
         "nano_vllm_qwen2.5-1.5b": (nano_run("qwen2.5-1.5b", ("triton",)), 120, 420),
         "nano_vllm_llama-3-8b": (nano_run("llama-3-8b", ("triton",)), 150, 330),
     }
