@@ -31,6 +31,8 @@ from .checks import check_int, is_number
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .engine.session import Session
 
 EPISODE_ENDS = ("done", "max_turns", "length")
@@ -50,6 +52,9 @@ class Episode:
     finish_reason: str  # EPISODE_ENDS: the environment said done, max_turns ran out, or the context is full
     prompt_len: int = 0  # tokens of the first prompt
     samples: list = field(default_factory=list)  # every turn's Sample
+    # Mixture-of-experts turns with return_routed_experts: `Session.routed_experts` at the end, the
+    # experts of every position up to the last turn's final token; None when the last turn did not ask.
+    routed_experts: np.ndarray | None = None
 
     @property
     def reward(self) -> float:
@@ -172,6 +177,7 @@ async def _episode(open_session, call, env, params: list[SamplingParams], max_tu
         reason,
         prompt_len,
         list(sess.samples),
+        sess.routed_experts,
     )
 
 

@@ -8,7 +8,9 @@ batch untimed (first-touch allocations); then `--repeats` rounds (default 2)
 time every side in turn, and the table shows the median tokens/s and the
 ratio of each round, as the machine's speed drifts between rounds. The
 engine also returns routed experts in one more timed row
-(`return_routed_experts=True`). `--threads` sets torch's intra-op threads
+(`return_routed_experts=True`), and with the compiled kernels' one-op
+experts off (`engine_expert_loop`: the per-expert loop of torch GEMMs that
+ran before `moe_experts`). `--threads` sets torch's intra-op threads
 for both sides (default: torch's own choice).
 
     python -m scripts.bench_moe [--repeats 2] [--threads N] [--out runs/bench_moe.json]
@@ -51,6 +53,7 @@ def main() -> None:
         engine = Engine(tmp, device="cpu", max_batch_size=PROMPTS * N, max_seq_len=256, kv_cache_tokens=32 * 1024)
         sides = {
             "engine": lambda: time_engine(engine, prompts, params),
+            "engine_expert_loop": lambda: _expert_loop(engine, lambda: time_engine(engine, prompts, params)),
             "engine_routed": lambda: time_engine(engine, prompts, routed),
             "transformers": lambda: time_hf(hf, prompts, N, MAX_TOKENS, stop_ids=None),
         }
@@ -69,12 +72,27 @@ def main() -> None:
         "rounds": rounds,
         "median_tokens_per_s": {k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
         "ratios": [r["engine"] / r["transformers"] for r in rounds],
+        "loop_ratios": [r["engine_expert_loop"] / r["transformers"] for r in rounds],
         "routed_ratios": [r["engine_routed"] / r["transformers"] for r in rounds],
     }
     _print(report)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
+
+
+def _expert_loop(engine: Engine, run):
+    """`run()` with the compiled kernels' one-op experts (`moe_experts`) off: the
+    per-expert loop of torch GEMMs that sparse layers ran before it."""
+    ops = engine.model._ops
+    grouped = getattr(ops, "moe_experts", None)
+    if grouped is None:
+        return run()
+    ops.moe_experts = None
+    try:
+        return run()
+    finally:
+        ops.moe_experts = grouped
 
 
 def _rate(tokens: int, seconds: float) -> float:
@@ -89,6 +107,8 @@ def _print(report: dict) -> None:
     routed = ", ".join(f"{x:.2f}" for x in report["routed_ratios"])
     print(f"engine / transformers: {statistics.median(report['ratios']):.2f}x (rounds {ratios})")
     print(f"with routed experts:   {statistics.median(report['routed_ratios']):.2f}x (rounds {routed})")
+    loop = ", ".join(f"{x:.2f}" for x in report["loop_ratios"])
+    print(f"expert loop (before):  {statistics.median(report['loop_ratios']):.2f}x (rounds {loop})")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ against the floor of a decode step and against itself without decode graphs;
 then the kernels (`scripts/gpu_kernels.py`): paged decode attention's
 bandwidth, per decode step GPU and host time and launches with the Triton
 kernels and with torch's ops, and the nano-vllm workload on Qwen2.5-0.5B,
-Qwen2.5-1.5B and (time allowing) Llama-3-8B shapes; and sleep/wake of a
-bf16 engine (device memory handed back to the driver, times, samples after
-each wake against samples before). Prints a table and writes JSON. Each
-section runs under a time limit; one that fails or runs out records why,
-and the next runs.
+Qwen2.5-1.5B and (time allowing) Llama-3-8B shapes; sleep/wake of a bf16
+engine (device memory handed back to the driver, times, samples after each
+wake against samples before); overlapped scheduling on and off
+(`scripts/gpu_overlap.py`); and (time allowing) a bf16 Qwen3-MoE
+(`bench-moe`) against transformers, with its experts as grouped GEMMs and as
+a loop over experts. Prints a table and writes JSON. Each section runs under
+a time limit; one that fails or runs out records why, and the next runs.
 
     python -m scripts.gpu_check [--out runs/gpu_check.json]
     python -m scripts.gpu_check --smoke   # tiny sizes on the CPU: checks the script, not a GPU
@@ -140,6 +142,40 @@ def bench_25m(root: Path, device: torch.device, config: dict, prompts: int, n: i
     }
 
 
+def moe(root: Path, device: torch.device, config: dict, dtype: torch.dtype, prompts: int, max_tokens: int) -> dict:
+    """A Qwen3-MoE (`bench-moe`) in `dtype`: the engine's sampled tokens' logprobs
+    against transformers on the same device, and its tokens/s on a GRPO batch
+    (8 samples a prompt) against transformers `generate()`, with the experts as
+    grouped GEMMs (`torch._grouped_mm`, where `rollout.model.moe` takes it) and
+    as the per-expert loop."""
+    from rollout.model import moe as moe_module
+
+    path = root / "moe"
+    hf = make_checkpoint(path, config, dtype).to(device)
+    batch = workload_prompts(prompts, 32, vocab=config["vocab_size"])
+    params = SamplingParams(n=8, max_tokens=max_tokens, ignore_eos=True, seed=0, logprobs_mode="raw")
+    kw = dict(max_batch_size=prompts * 8, max_seq_len=256, kv_cache_tokens=32 * 1024)
+    engine = Engine(path, device=device, dtype=str(dtype).removeprefix("torch."), **kw)
+    grouped = moe_module.use_grouped_mm(
+        torch.zeros(1, config["hidden_size"], device=device, dtype=dtype), engine.model_config.moe
+    )
+    errors = bench_real.sampled_logprob_diffs(hf, engine.generate(batch[:2], params))
+    out = {"grouped_mm": grouped, "mean_abs_dlogprob": errors.mean().item(), "max_abs_dlogprob": errors.max().item()}
+    for name, flag in (("grouped", True), ("loop", False)):
+        moe_module.GROUPED_MM = flag
+        try:
+            time_engine(engine, batch[:2], params)  # warm-up
+            tokens, seconds = time_engine(engine, batch, params)
+        finally:
+            moe_module.GROUPED_MM = True
+        out[f"{name}_tokens_per_s"] = tokens / seconds
+    time_hf(hf, batch[:2], 1, 4)
+    hf_tokens, hf_seconds = time_hf(hf, batch, 8, max_tokens, stop_ids=None)
+    out["transformers_tokens_per_s"] = hf_tokens / hf_seconds
+    out["speedup"] = out["grouped_tokens_per_s"] / out["transformers_tokens_per_s"]
+    return out
+
+
 def qwen_05b(root: Path, device: torch.device, config: dict, batches: tuple[int, ...], max_tokens: int) -> dict:
     path = root / "qwen05b"
     hf = make_checkpoint(path, config, torch.bfloat16)
@@ -266,6 +302,11 @@ def sections(root: Path, device: torch.device, smoke: bool) -> dict:
     step_batches, step_tokens, dtype = ((8, 16), 3, "float32") if smoke else ((64, 128, 256), 128, "bfloat16")
     contexts, attention_batch = ((16, 40), 2) if smoke else ((128, 1024, 4096), 64)
     nano = dict(seqs=3, max_len=12) if smoke else dict(seqs=256, max_len=1024)
+    moe_model, moe_batch = (preset("bench-moe"), (8, 64))
+    if smoke:  # bench-moe's family at the smoke model's size
+        moe_model = {**moe_model, **SMOKE, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
+        moe_model["head_dim"] = 16
+        moe_model["model_type"], moe_batch = "qwen3_moe", (2, 4)
     ceilings: dict = {}
     bf16 = getattr(torch, dtype)
 
@@ -306,6 +347,7 @@ def sections(root: Path, device: torch.device, smoke: bool) -> dict:
         "attention": (attention, 60, None),
         "decode_steps": (steps, 120, None),
         "nano_vllm_qwen2.5-0.5b": (nano_run("qwen2.5-0.5b"), 120, None),
+        "moe": (lambda: moe(root, device, moe_model, bf16, *moe_batch), 90, 360),
         "nano_vllm_qwen2.5-1.5b": (nano_run("qwen2.5-1.5b", ("triton",)), 120, 420),
         "nano_vllm_llama-3-8b": (nano_run("llama-3-8b", ("triton",)), 150, 330),
     }
@@ -423,7 +465,7 @@ def print_sleep_wake(r: dict) -> None:
 
 
 def print_kernels(r: dict) -> None:
-    """The kernels' sections: attention bandwidth, decode steps, the nano-vllm workload."""
+    """The kernels' sections: attention bandwidth, decode steps, the MoE model, the nano-vllm workload."""
     for name in ("ceilings", "attention", "decode_steps"):
         if "error" in r.get(name, {}):
             print(f"{name} FAILED: {r[name]['error'].strip().splitlines()[-1]}")
@@ -442,6 +484,15 @@ def print_kernels(r: dict) -> None:
                 f"{name:24}{row['tokens_per_s']:10.0f}{row['step_s'] * 1e3:9.2f}"
                 f"{(gpu or 0) * 1e3:9.2f}{row['step_over_floor']:9.2f}{(row['gpu_over_floor'] or 0):9.2f}"
                 f"{row['launches_per_step']:9d}"
+            )
+    if m := r.get("moe"):
+        if "error" in m or "skipped" in m:
+            print(f"moe: {m.get('skipped') or m['error'].strip().splitlines()[-1]}")
+        else:
+            print(
+                f"moe (bench-moe): grouped GEMMs {m['grouped_tokens_per_s']:.0f} tok/s (taken: {m['grouped_mm']}), "
+                f"expert loop {m['loop_tokens_per_s']:.0f}, transformers {m['transformers_tokens_per_s']:.0f} "
+                f"({m['speedup']:.2f}x); |dlogprob| mean {m['mean_abs_dlogprob']:.4f}, max {m['max_abs_dlogprob']:.4f}"
             )
     for name, section in r.items():
         if name.startswith("nano_vllm"):

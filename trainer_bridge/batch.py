@@ -130,7 +130,9 @@ class RolloutBatch:
         prompt, the response everything after it (sampled turns and
         observations), and `response_mask` its loss mask, 1 exactly on the
         sampled tokens. Episodes `[g * group_size, (g + 1) * group_size)` form
-        GRPO group g. `rewards` holds each episode's return. `params` are the
+        GRPO group g. `rewards` holds each episode's return, `routed_experts`
+        each episode's routing when every episode carries it (the positions
+        after the last turn's final token, never computed, are -1). `params` are the
         turns' settings as `run_episodes` took them; turns may differ in length
         and stops, not in the distribution a trainer recomputes (temperature,
         top-k, top-p, min-p, logprobs_mode)."""
@@ -146,9 +148,10 @@ class RolloutBatch:
             raise ValueError(f"group_size must divide the {len(episodes)} episodes, got {group_size}")
         outputs = []
         for e in episodes:
-            k = e.prompt_len
-            sample = Sample(e.token_ids[k:], e.logprobs[k:], e.versions[k:], e.finish_reason)
-            outputs.append(RolloutOutput(e.token_ids[:k], [sample]))
+            k, routed = e.prompt_len, e.routed_experts
+            prompt_routing, routing = (None, None) if routed is None else (routed[:k], routed[k:])
+            sample = Sample(e.token_ids[k:], e.logprobs[k:], e.versions[k:], e.finish_reason, routed_experts=routing)
+            outputs.append(RolloutOutput(e.token_ids[:k], [sample], prompt_routed_experts=prompt_routing))
         batch = cls.from_outputs(outputs, params, policy_version, pad_token_id)
         mask = torch.zeros_like(batch.response_mask)
         for i, e in enumerate(episodes):

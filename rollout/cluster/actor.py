@@ -149,11 +149,14 @@ class RolloutWorker:
         aborted when its call starts."""
         self._aborts.abort(call_id)
 
-    def session_turn(self, session_id: str, token_ids: list[int], params: SamplingParams, turn_id: str) -> Sample:
+    def session_turn(
+        self, session_id: str, token_ids: list[int], params: SamplingParams, turn_id: str
+    ) -> tuple[Sample, np.ndarray | None]:
         """One turn of the driver's session `session_id` from its whole
         trajectory `token_ids`, reusing the KV of its last turn here when
-        there is one (`actor_sessions.EngineSessions`); `session_abort(turn_id)`
-        ends it, even before it started."""
+        there is one (`actor_sessions.EngineSessions`): its sample and the
+        prompt's routed experts when asked; `session_abort(turn_id)` ends it,
+        even before it started."""
         self._raise_injected("session_turn")
         return self._sessions.turn(session_id, token_ids, params, turn_id)
 

@@ -20,6 +20,8 @@ import itertools
 import threading
 from collections import Counter, OrderedDict
 
+import numpy as np
+
 from ..engine.engine import Engine
 from ..engine.session import Session
 from ..outputs import Sample, unstarted_sample
@@ -63,16 +65,20 @@ class EngineSessions:
         """Aborts remembered for turns that have not started here."""
         return self._aborts.num_early
 
-    def turn(self, session_id: str, token_ids: list[int], params: SamplingParams, turn_id: str) -> Sample:
+    def turn(
+        self, session_id: str, token_ids: list[int], params: SamplingParams, turn_id: str
+    ) -> tuple[Sample, np.ndarray | None]:
         """Sample one continuation of `token_ids` for `session_id`; `abort(turn_id)`
-        ends it. A turn aborted before it started returns at once with reason
-        "abort" and no tokens, its session kept as it was. The engine's own
-        errors (bad ids, params) propagate unchanged."""
+        ends it. Returns the sample and, when `params.return_routed_experts`,
+        the routed experts of `token_ids` as this turn's KV holds them (None
+        otherwise, or when the turn computed nothing). A turn aborted before it
+        started returns at once with reason "abort" and no tokens, its session
+        kept as it was. The engine's own errors (bad ids, params) propagate unchanged."""
         with self._lock:
             kept = self._kept.pop(session_id, (None, None))[1]  # a turn has its session to itself
             self._running[session_id] += 1
             ticket = next(self._tickets)
-        sess = None
+        sess, prompt_routing = None, None
         try:
             sess = self._continued(kept, token_ids)
             aborted = threading.Event()  # an abort between registering and the engine holding the turn
@@ -85,6 +91,8 @@ class EngineSessions:
                 sample = unstarted_sample(params.top_logprobs, self._engine.codec is not None)
             else:
                 sample = sess.generate(params, abort=aborted)
+                routed = sess.routed_experts  # the trajectory's: the prompt's, then the sample's
+                prompt_routing = None if routed is None else routed[: len(token_ids)]
         except BaseException:
             if sess is not None:
                 sess.close()
@@ -93,7 +101,7 @@ class EngineSessions:
         finally:
             self._aborts.finish(turn_id)
         self._finish(session_id, ticket, sess)
-        return sample
+        return sample, prompt_routing
 
     def abort(self, turn_id: str) -> None:
         """End the turn `turn_id` (it returns with reason "abort"), now or when it starts."""

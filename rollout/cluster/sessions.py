@@ -23,6 +23,8 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
+import numpy as np
+
 from ..engine.requests import PromptLimits, validate_prompts
 from ..outputs import Sample, unstarted_sample
 from ..sampling_params import SamplingParams
@@ -71,10 +73,11 @@ class ClusterSessions:
         with self.pool.cond:
             self._pins[slot.index] -= 1
 
-    def run_turn(self, slot: ActorSlot, generation: int, ref) -> Sample:
+    def run_turn(self, slot: ActorSlot, generation: int, ref) -> tuple[Sample, np.ndarray | None]:
         """Wait for the turn `ref` (`TurnCall.start`) on `slot`'s actor of
-        `generation`. Raises `ActorGone` when the actor died or was replaced
-        (the watchdog found it hung or stalled), `TimeoutError` past
+        `generation`: its sample and prompt routing (`EngineSessions.turn`).
+        Raises `ActorGone` when the actor died or was replaced (the watchdog
+        found it hung or stalled), `TimeoutError` past
         `turn_timeout_s`, else the actor's own error as it was raised there."""
         ray = ray_module()
         deadline = time.monotonic() + self.turn_timeout_s
@@ -167,6 +170,8 @@ class ClusterTurns:
         self.slot, self.generation = sessions.pin()  # the actor of `generation` in `slot` holds its KV
         self._released = False
         self._current: TurnCall | None = None  # the turn under way, what `abort` ends
+        # The last turn's prompt routing, when it asked (`Session` joins it to the sample's, as on an engine).
+        self.prompt_routing: np.ndarray | None = None
 
     def turn(self, token_ids: list[int], params: SamplingParams) -> Future:
         """Start sampling one continuation of `token_ids` on the pinned actor
@@ -184,6 +189,7 @@ class ClusterTurns:
         anywhere (or before it ran again), it gives a sample with no tokens."""
         pool = self._sessions.pool
         cost = params.max_tokens
+        self.prompt_routing = None
         try:
             while True:
                 pinned = self._start(call, cost)
@@ -194,7 +200,8 @@ class ClusterTurns:
                     ref = call.start(slot, self.session_id, token_ids, params)
                     if ref is None:
                         return unstarted_sample(params.top_logprobs, self.codec is not None)
-                    return self._sessions.run_turn(slot, generation, ref)
+                    sample, self.prompt_routing = self._sessions.run_turn(slot, generation, ref)
+                    return sample
                 except ActorGone:
                     pool.actor_died(slot, generation, "died while running a session turn")
                 finally:

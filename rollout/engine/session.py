@@ -42,6 +42,7 @@ class SessionBackend(Protocol):
     codec: TextCodec | None  # encodes text observations; its `chat` renders chat messages
     vocab_size: int
     max_seq_len: int
+    prompt_routing: np.ndarray | None  # the last turn's prompt routing, when it asked for routed experts
 
     def turn(self, token_ids: list[int], params: SamplingParams) -> Future:
         """Start sampling one continuation of `token_ids` (`params.n == 1`);
@@ -133,8 +134,8 @@ class Session:
         """Mixture-of-experts models, after a turn with `return_routed_experts`: the experts every
         position that went through a forward was routed to, `[positions, sparse layers, top_k]`,
         the trajectory up to the last turn's final token (sampled, never computed), as that turn's
-        KV holds them (one routing per position, the one later tokens attended to). None when the
-        last turn did not ask, or on a backend that does not return it (a cluster)."""
+        KV holds them (one routing per position, the one later tokens attended to), on an engine
+        or a cluster alike. None when the last turn did not ask."""
         return None if self._routed is None else self._routed.copy()
 
     @property
@@ -186,7 +187,7 @@ class Session:
         return future
 
     def _record(self, sample: Sample) -> Sample:
-        prompt = getattr(self._backend, "prompt_routing", None)
+        prompt = self._backend.prompt_routing
         routed = sample.routed_experts
         self._routed = None if prompt is None or routed is None else np.concatenate([prompt, routed])
         self._ids += sample.token_ids

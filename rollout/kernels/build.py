@@ -1,6 +1,7 @@
 """The engine's compiled CPU kernels (`csrc/`), built at first use.
 
 - `paged_decode`: decode attention read in place from the paged KV pool.
+- `moe_experts`: a sparse layer's experts, the threads sharing the experts.
 - `rms_norm`, `add_rms_norm_`, `rope_and_cache_`, `silu_mul`: a decoder
   layer's float32 elementwise steps, one op each instead of 2-14 torch ops.
 - `decode_layers`: every decoder layer of a pure-decode step in one op,
@@ -38,7 +39,14 @@ import torch
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("paged_attention.cpp", "fused_ops.cpp", "sampler.cpp", "decode_layers.cpp", "skinny_linear.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "fused_ops.cpp",
+        "sampler.cpp",
+        "decode_layers.cpp",
+        "skinny_linear.cpp",
+        "moe_experts.cpp",
+    )
 )
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("vec_math.h", "kernels.h"))
 _VECTOR_FLAGS = {

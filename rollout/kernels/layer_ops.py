@@ -6,6 +6,7 @@ the same signatures, those of the compiled CPU ops (`csrc/`):
 
 - `rms_norm(x, weight, eps, out)`, `add_rms_norm_(h, delta, weight, eps, out)`,
   `silu_mul(gate_up, out)`: a layer's elementwise steps, one launch each;
+- `moe_experts` (or None): a sparse layer's experts in one op (`rollout.model.moe`);
 - `norm_rope_and_cache_(q, k, v, q_norm, k_norm, eps, positions, cos, sin,
   k_cache, v_cache, slots) -> q`: the q/k RMSNorms (qwen3; None where the model
   has none, and always None for a backend whose `fuses_qk_norm` is False: the
@@ -47,6 +48,7 @@ class CompiledOps:
         self.rms_norm = lib.rms_norm
         self.add_rms_norm_ = lib.add_rms_norm_
         self.silu_mul = lib.silu_mul
+        self.moe_experts = lib.moe_experts  # a sparse layer's experts, float32 (`rollout.model.moe`)
         self.paged_decode = lib.paged_decode
         self.sample_rows = lib.sample_rows
 
@@ -69,6 +71,7 @@ class TritonOps:
     name = "triton"
     fuses_qk_norm = True
     lib = None
+    moe_experts = None  # sparse layers loop over experts with torch's GEMMs
     sample_rows = None
     tables_in_place = True
 

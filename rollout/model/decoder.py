@@ -278,7 +278,7 @@ class Model(nn.Module):
     def _mlp(self, i, layer, x, kv, slots) -> torch.Tensor:
         if layer.mlp is not None:  # the experts chosen go to the pool with the tokens' KV
             moe = self.cfg.moe
-            out, experts = sparse_mlp(x, layer.mlp, moe, self._ops.silu_mul if self._ops is not None else None)
+            out, experts = sparse_mlp(x, layer.mlp, moe, self._ops)
             if kv.routing is not None:
                 kv.write_routing(moe.moe_index[i], slots, experts)
             return out

@@ -13,7 +13,9 @@ float32, top-k, renormalised when the config says so), then groups the
 token-expert pairs by expert: one gather, one gate/up and one down GEMM per
 expert that received tokens, and one `index_add_` back, in expert order as the
 reference accumulates. No loop runs over tokens; the loop over experts reads
-their counts on the host once per layer.
+their counts on the host once per layer. On the CPU with the compiled kernels
+that loop is one op (`moe_experts`), whose threads share the experts rather
+than split each small GEMM.
 """
 
 from __future__ import annotations
@@ -47,11 +49,14 @@ class SparseMLP(nn.Module):
         self.experts_down = empty(e * h, i)
 
 
-def sparse_mlp(x: torch.Tensor, block: SparseMLP, moe: MoeConfig, silu_mul=None) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_mlp(x: torch.Tensor, block: SparseMLP, moe: MoeConfig, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse block on `x` `[T, H]`: its output `[T, H]` in `x`'s dtype and the
     experts each token went to, `[T, top_k]` int64 in descending gate order.
 
-    `silu_mul(gate_up, out)` (a `layer_ops` kernel) or None for torch's ops.
+    `ops`: the model's `layer_ops` backend, or None for torch's ops. Its
+    `silu_mul(gate_up, out)` takes the activation; where it has `moe_experts`
+    (the compiled CPU kernels, `csrc/moe_experts.cpp`) the whole loop over
+    experts runs there, the threads sharing the experts.
     """
     t, h = x.shape
     e, k, inter = moe.num_experts, moe.top_k, moe.intermediate_size
@@ -65,19 +70,62 @@ def sparse_mlp(x: torch.Tensor, block: SparseMLP, moe: MoeConfig, silu_mul=None)
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)  # token-expert pairs grouped by expert, tokens in order
     tokens = order // k
-    counts = torch.bincount(flat, minlength=e).tolist()
+    counts = torch.bincount(flat, minlength=e)
+    pair_weights = weights.flatten().index_select(0, order)
+    grouped = getattr(ops, "moe_experts", None)
+    if grouped is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        scaled = grouped(x.contiguous(), block.experts_gate_up, block.experts_down, tokens, counts, pair_weights)
+        return torch.zeros_like(x).index_add_(0, tokens, scaled), experts
     rows = x.index_select(0, tokens)
-    out = torch.empty_like(rows)
     gate_up = block.experts_gate_up.view(e, 2 * inter, h)
     down = block.experts_down.view(e, h, inter)
+    silu_mul = None if ops is None else ops.silu_mul
+    if use_grouped_mm(x, moe):
+        out = grouped_experts(rows, gate_up, down, counts, silu_mul)
+        scaled = (out * pair_weights[:, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, scaled), experts
+    out = torch.empty_like(rows)
     start = 0
-    for expert, n in enumerate(counts):
+    for expert, n in enumerate(counts.tolist()):
         if n:
             act = _act(F.linear(rows[start : start + n], gate_up[expert]), silu_mul)
             out[start : start + n] = F.linear(act, down[expert])
             start += n
-    scaled = (out * weights.flatten().index_select(0, order)[:, None]).to(x.dtype)
+    scaled = (out * pair_weights[:, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, scaled), experts
+
+
+# Whether CUDA models run their experts as two grouped GEMMs (`grouped_experts`)
+# where `use_grouped_mm` allows; False keeps the per-expert loop (to compare them).
+GROUPED_MM = True
+
+
+def use_grouped_mm(x: torch.Tensor, moe: MoeConfig) -> bool:
+    """`torch._grouped_mm` for the experts: on CUDA, for bfloat16, on a GPU of
+    compute capability 9.0 or later (its kernels are built for those), and
+    with rows of 16-byte multiples (H and the expert width multiples of 8)."""
+    return (
+        GROUPED_MM
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and x.shape[1] % 8 == 0
+        and moe.intermediate_size % 8 == 0
+    )
+
+
+def grouped_experts(
+    rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor, silu_mul=None
+) -> torch.Tensor:
+    """Every expert's output for `rows` `[P, H]` grouped by expert (`counts` per
+    expert), as two grouped GEMMs (`torch._grouped_mm`, with `gate_up`
+    `[E, 2I, H]` and `down` `[E, H, I]` seen transposed) and one activation:
+    no loop over experts and no read of the counts on the host. Plain torch,
+    so it also runs on the CPU, where the tests check it."""
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    act = _act(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets), silu_mul)
+    return torch._grouped_mm(act, down.transpose(1, 2), offs=offsets)
 
 
 def _act(gate_up: torch.Tensor, silu_mul) -> torch.Tensor:

@@ -71,6 +71,9 @@ def test_gpu_check_smoke_runs_every_check(smoke):
             steps[f"torch_batch_{batch}"]["launches_per_step"] > 2 * steps[f"triton_batch_{batch}"]["launches_per_step"]
         )
         assert steps[f"triton_batch_{batch}"]["step_s"] > 0 and steps[f"triton_batch_{batch}"]["floor_s"] > 0
+    moe = results["moe"]  # a float32 Qwen3-MoE on the CPU: the expert loop, against transformers float32
+    assert moe["grouped_mm"] is False and moe["max_abs_dlogprob"] < 1e-4
+    assert moe["grouped_tokens_per_s"] > 0 and moe["loop_tokens_per_s"] > 0 and moe["speedup"] > 0
     _, lengths = gpu_kernels.nano_vllm_workload(3, 12, 12)
     for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3-8b"):
         assert results[f"nano_vllm_{name}"]["triton"]["output_tokens"] == sum(lengths)
@@ -111,8 +114,8 @@ def test_a_failing_section_is_recorded_and_the_others_run(smoke, tmp_path, capsy
         called.append("bench_25m")
         raise RuntimeError("capture exploded")
 
-    replays = (("parity", "parity"), ("kv_bf16", "kv_bf16"), ("qwen_05b", "qwen2.5_0.5b"), ("sleep_wake", "sleep_wake"))
-    for name, replayed in replays:
+    replays = {"parity": "parity", "kv_bf16": "kv_bf16", "qwen_05b": "qwen2.5_0.5b"}
+    for name, replayed in {**replays, "sleep_wake": "sleep_wake", "moe": "moe"}.items():
         monkeypatch.setattr(gpu_check, name, replay(replayed))
     monkeypatch.setattr(gpu_check, "bench_25m", broken)
     monkeypatch.setattr(gpu_overlap, "overlap", replay("overlap"))
@@ -123,7 +126,8 @@ def test_a_failing_section_is_recorded_and_the_others_run(smoke, tmp_path, capsy
     out = tmp_path / "gpu_check.json"
     results = gpu_check.main(["--smoke", "--out", str(out)])
     sections = ["parity", "overlap", "kv_bf16", "bench_25m", "qwen2.5_0.5b", "sleep_wake", "attention", "decode_steps"]
-    assert called == sections + [f"nano_vllm_{name}" for name in nano]
+    nano_runs = [f"nano_vllm_{name}" for name in nano]
+    assert called == sections + nano_runs[:1] + ["moe"] + nano_runs[1:]
     assert "RuntimeError: capture exploded" in results["bench_25m"]["error"]
     assert results["parity"] == measured["parity"]  # the section before it
     assert results["qwen2.5_0.5b"] == measured["qwen2.5_0.5b"]  # and those after it

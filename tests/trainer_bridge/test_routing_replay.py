@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
 from rollout import SamplingParams
 from tests.conftest import make_engine
 from tests.factories import make_checkpoint
+from tests.rollout.engine.test_routed_experts import hf_routing
+from tests.trainer_bridge.test_episode_batch import ToolEnv
 from trainer_bridge import RolloutBatch, routing_replay, sparse_routers, token_logprobs
 
 PROMPTS = [[5, 6, 7, 8], list(range(3, 30))]
@@ -44,6 +47,27 @@ def test_batch_routing_is_aligned_with_input_ids(moe_checkpoints):
     assert (short[: p - 4] == -1).all() and (short[-1] == -1).all()  # left padding, the last token
     assert short[p - 4 : p].tolist() == outs[0].prompt_routed_experts.tolist()
     assert short[p:-1].tolist() == outs[0].samples[0].routed_experts.tolist()
+
+
+def test_episode_rows_carry_their_trajectorys_routing_and_replay_exactly(moe_checkpoints):
+    ck = moe_checkpoints["qwen3_moe"]
+    params = SamplingParams(max_tokens=5, ignore_eos=True, seed=9, logprobs_mode="raw", return_routed_experts=True)
+    episodes = make_engine(ck.path).run_episodes([ToolEnv(k) for k in range(3)], params, max_turns=4)
+    batch = RolloutBatch.from_episodes(episodes, params, 0)
+    p = batch.prompt_ids.shape[1]
+    for i, e in enumerate(episodes):
+        k, n = e.prompt_len, len(e.token_ids)
+        ref = hf_routing(ck.hf, e.token_ids)  # prompt, turns and observations in one forward
+        np.testing.assert_array_equal(e.routed_experts, ref[:-1])  # the last token was sampled, never computed
+        row = batch.routed_experts[i]
+        assert row[p - k : p + n - k - 1].tolist() == ref[:-1].tolist()
+        assert (row[: p - k] == -1).all() and (row[p + n - k - 1 :] == -1).all()
+    replayed = token_logprobs(ck.hf, batch, replay_routing=True)
+    mask = batch.response_mask.bool()
+    assert (replayed - batch.old_logprobs)[mask].abs().max() < 1e-5
+    unasked = make_engine(ck.path).run_episodes([ToolEnv(0)], SamplingParams(max_tokens=3), max_turns=2)
+    assert unasked[0].routed_experts is None
+    assert RolloutBatch.from_episodes(unasked, SamplingParams(max_tokens=3), 0).routed_experts is None
 
 
 def test_replay_gives_the_engines_logprobs_under_a_router_that_flips_decisions(top1):

@@ -109,12 +109,13 @@ def test_a_stream_cancelled_before_it_starts_computes_nothing(worker):
 def test_a_session_turn_aborted_before_it_starts_ends_that_turn_only(worker):
     before = _idle(worker)
     worker.session_abort("turn-1")
-    first = worker.session_turn("sess", PROMPTS[0], SamplingParams(max_tokens=100, ignore_eos=True), "turn-1")
+    first, routing = worker.session_turn("sess", PROMPTS[0], SamplingParams(max_tokens=100, ignore_eos=True), "turn-1")
+    assert routing is None  # not asked for (and nothing computed)
     assert (first.finish_reason, first.token_ids, first.logprobs, first.versions) == ("abort", [], [], [])
     assert _idle(worker)["computed_tokens"] == before["computed_tokens"]
     worker.session_abort("turn-1")  # late: its turn is over, and the next turn is not touched
     assert worker.health()["early_aborts"] == 0
-    second = worker.session_turn("sess", PROMPTS[0], SamplingParams(max_tokens=5, ignore_eos=True), "turn-2")
+    second, _ = worker.session_turn("sess", PROMPTS[0], SamplingParams(max_tokens=5, ignore_eos=True), "turn-2")
     assert second.finish_reason == "length" and len(second.token_ids) == 5
     worker.session_close("sess")
     assert _idle(worker)["kv_pages_used"] == before["kv_pages_used"]
@@ -132,7 +133,7 @@ def test_a_session_abort_between_registering_and_starting_the_turn_ends_it(worke
         return started
 
     monkeypatch.setattr(aborts, "register", register_then_abort)
-    turn = worker.session_turn("racing", PROMPTS[0], SamplingParams(max_tokens=100, ignore_eos=True), "turn-r")
+    turn, _ = worker.session_turn("racing", PROMPTS[0], SamplingParams(max_tokens=100, ignore_eos=True), "turn-r")
     monkeypatch.undo()
     assert turn.finish_reason == "abort" and len(turn.token_ids) < 100
     worker.session_close("racing")
@@ -165,7 +166,7 @@ def _run_stream(worker, call_id: str, params: SamplingParams) -> list[tuple[list
 
 
 def _run_turn(worker, call_id: str, params: SamplingParams) -> list[tuple[list[int], object]]:
-    sample = worker.session_turn(call_id, PROMPTS[1], params, call_id)
+    sample, _ = worker.session_turn(call_id, PROMPTS[1], params, call_id)
     worker.session_close(call_id)
     return [(PROMPTS[1], sample)]
 

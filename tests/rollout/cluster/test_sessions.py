@@ -207,7 +207,7 @@ def test_an_actor_keeps_a_bounded_number_of_engine_sessions(qwen2):
     kept = EngineSessions(engine, limit=2)
     ids = {k: [3 + i, 4, 5, 6] for i, k in enumerate("abc")}
     for k in "abc":
-        ids[k] += kept.turn(k, ids[k], params(3, 1), f"{k}0").token_ids
+        ids[k] += kept.turn(k, ids[k], params(3, 1), f"{k}0")[0].token_ids
     assert kept.num_kept == 2 and engine.stats()["session_leases"] == 2  # "a", the oldest, was closed
     with engine.session(ids["a"][:4]) as ref:  # an uninterrupted session, for reference
         ref.generate(params(3, 1))
@@ -215,7 +215,7 @@ def test_an_actor_keeps_a_bounded_number_of_engine_sessions(qwen2):
         expected = ref.generate(params(2, 2)).token_ids
     computed = engine.stats()["computed_tokens"]
     # "a" starts again from the driver's ids: correct, only slower.
-    assert kept.turn("a", ids["a"] + [7], params(2, 2), "a1").token_ids == expected
+    assert kept.turn("a", ids["a"] + [7], params(2, 2), "a1")[0].token_ids == expected
     assert engine.stats()["computed_tokens"] - computed == len(ids["a"]) + 1 + 1
     kept.turn("b", [9, 9, 9], params(2, 0), "b1")  # ids that do not continue "b": a fresh session
     kept.close("b")

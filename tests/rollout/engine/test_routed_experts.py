@@ -1,7 +1,7 @@
 """Routed experts returned by mixture-of-experts engines, checked against
 transformers' own router choices (`output_router_logits`) on the final
-tokens: prompts and outputs, prefix-cache hits, preemption, a weight commit
-with recompute, and sessions."""
+tokens: prompts and outputs, whole and streamed, prefix-cache hits,
+preemption, a weight commit with recompute, and sessions."""
 
 from __future__ import annotations
 
@@ -43,10 +43,22 @@ def assert_routing_matches(hf, outs) -> None:
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_routed_experts_of_prompts_and_outputs_match_transformers(moe_checkpoints, family):
     ck = moe_checkpoints[family]
-    outs = make_engine(ck.path).generate([[5, 6, 7], LONG], PARAMS)
+    engine = make_engine(ck.path)
+    outs = engine.generate([[5, 6, 7], LONG], PARAMS)
     assert_routing_matches(ck.hf, outs)
     layers = 2  # qwen3_moe: layers 0 and 2 of 3; mixtral: both
     assert outs[0].prompt_routed_experts.shape == (3, layers, 2)
+    stream = engine.stream(LONG, PARAMS)  # the prompt's pages now come from the prefix cache
+    list(stream)
+    assert_same_routing(stream.output, outs[1])
+
+
+def assert_same_routing(out, ref) -> None:
+    """`out` sampled the same tokens as `ref` (the same seed) and returned the same routing."""
+    assert [s.token_ids for s in out.samples] == [s.token_ids for s in ref.samples]
+    np.testing.assert_array_equal(out.prompt_routed_experts, ref.prompt_routed_experts)
+    for s, r in zip(out.samples, ref.samples, strict=True):
+        np.testing.assert_array_equal(s.routed_experts, r.routed_experts)
 
 
 def test_prefix_hits_and_preemption_keep_each_positions_routing(moe_checkpoints):

@@ -140,3 +140,84 @@ def test_checkpoint_with_fused_expert_tensors_loads(moe_checkpoints, tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.2\.mlp\.experts\.down_proj"):
         make_engine(tmp_path)
+
+
+def _float64_block(x, block, moe):
+    """The sparse block in float64, token by token and expert by expert (no grouping)."""
+    e, inter, h = moe.num_experts, moe.intermediate_size, x.shape[1]
+    xd, gate_up = x.double(), block.experts_gate_up.double().view(e, 2 * inter, h)
+    down = block.experts_down.double().view(e, h, inter)
+    probs = torch.softmax(xd @ block.router.double().T, dim=-1)
+    weights, experts = probs.topk(moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(xd)
+    for t in range(x.shape[0]):
+        for w, ex in zip(weights[t].tolist(), experts[t].tolist(), strict=True):
+            gate, up = (gate_up[ex] @ xd[t]).chunk(2)
+            out[t] += w * (down[ex] @ (torch.nn.functional.silu(gate) * up))
+    return out, experts
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 200])
+def test_compiled_expert_op_matches_float64_and_the_per_expert_loop(tokens):
+    """`moe_experts` (every expert of a layer in one op, the threads sharing the experts)
+    against a float64 recompute and the per-expert loop of torch GEMMs, at one and at two
+    threads: experts that get no token, one token, and more rows than one chunk."""
+    from rollout.kernels.build import cpu_ops
+    from rollout.kernels.layer_ops import CompiledOps
+    from rollout.model.moe import sparse_mlp
+    from rollout.model.moe_config import MoeConfig
+
+    ops = CompiledOps(cpu_ops())
+    moe = MoeConfig(6, 2, 48, True, (True,), False)
+    g = torch.Generator().manual_seed(tokens)
+    block = torch.nn.Module()
+    block.router = torch.randn(6, 64, generator=g)
+    block.experts_gate_up = torch.randn(6 * 96, 64, generator=g) * 0.2
+    block.experts_down = torch.randn(6 * 64, 48, generator=g) * 0.2
+    x = torch.randn(tokens, 64, generator=g) + 0.3 * block.router[0]  # expert 0 gets most tokens
+    ref, ref_experts = _float64_block(x, block, moe)
+    loop, _ = sparse_mlp(x, block, moe, None)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.inference_mode():  # as in the engine's steps: its output is an inference tensor
+                out, experts = sparse_mlp(x, block, moe, ops)
+            assert torch.equal(experts, ref_experts)
+            assert (out.double() - ref).abs().max() < 1e-5 * max(1.0, ref.abs().max().item())
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])  # each pair's row is one thread's work: no dependence on the count
+    assert torch.allclose(outs[0], loop, atol=1e-5, rtol=1e-5)
+    if tokens == 200:  # an expert past 128 rows is cut into chunks that threads take apart
+        assert torch.bincount(ref_experts.flatten()).max() > 128
+    with pytest.raises(RuntimeError, match="counts must sum"):
+        ops.moe_experts(
+            x,
+            block.experts_gate_up,
+            block.experts_down,
+            torch.zeros(3, dtype=torch.int64),
+            torch.zeros(6, dtype=torch.int64),
+            torch.ones(3),
+        )
+
+
+def test_grouped_gemm_experts_match_float64():
+    """The CUDA path's two grouped GEMMs (`grouped_experts`, plain torch) on the CPU: every
+    pair's expert output against float64, with an expert that gets no rows."""
+    from rollout.model.moe import grouped_experts
+
+    g = torch.Generator().manual_seed(4)
+    gate_up, down = torch.randn(4, 2 * 16, 32, generator=g), torch.randn(4, 32, 16, generator=g)
+    counts = torch.tensor([3, 0, 5, 1])
+    rows = torch.randn(9, 32, generator=g)
+    out = grouped_experts(rows, gate_up, down, counts)
+    experts = torch.repeat_interleave(torch.arange(4), counts)
+    for j, e in enumerate(experts.tolist()):
+        gate, up = (gate_up[e].double() @ rows[j].double()).chunk(2)
+        ref = down[e].double() @ (torch.nn.functional.silu(gate) * up)
+        assert (out[j].double() - ref).abs().max() < 1e-4 * max(1.0, ref.abs().max().item())
