@@ -17,7 +17,8 @@ the same signatures, those of the compiled CPU ops (`csrc/`):
   place, all chunks of a step in one launch;
 - `sample_rows` (or None): the compiled CPU sampler; `device_sample` (or None):
   the device sampler, which marks the rows whose kept set its candidates may
-  not cover (`rollout.engine.stepper` resamples those with the reference).
+  not cover (`rollout.engine.stepper` resamples those with the reference);
+- `score_block` (or None): the compiled CPU scoring fold (`rollout.engine.scoring`).
 
 `fuses(dtype, device)` says whether the elementwise ops apply to a model of
 that dtype on that device; where they do not, the model keeps torch's ops
@@ -49,6 +50,7 @@ class CompiledOps:
         self.silu_mul = lib.silu_mul
         self.paged_decode = lib.paged_decode
         self.sample_rows = lib.sample_rows
+        self.score_block = lib.score_block
 
     @staticmethod
     def fuses(dtype: torch.dtype, device: torch.device) -> bool:
@@ -70,6 +72,7 @@ class TritonOps:
     fuses_qk_norm = True
     lib = None
     sample_rows = None
+    score_block = None
     tables_in_place = True
 
     def __init__(self) -> None:
