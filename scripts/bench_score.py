@@ -11,7 +11,9 @@ workload, sampled once by the engine), against two peers in the same run:
 Three scores: every position (`start=1`), the responses only
 (`start=len(prompt)`: the prompts' pages from the prefix cache, as a
 reference-KL or distillation call runs), and the responses with top-20
-alternatives. The prefix cache is emptied before every timed engine call (a
+alternatives; and every position again without the fused path (the head's
+whole-vocabulary logits for 128 rows at a time, then torch's logsumexp: what
+scoring ran before `score_block`). The prefix cache is emptied before every timed engine call (a
 weight commit of one unchanged tensor), so no call reuses another's pages.
 Rounds alternate the sides; tokens/s counts every token of the sequences.
 
@@ -63,6 +65,15 @@ def clear_cache(engine: Engine) -> None:
     engine.update_weights({name: engine.model.weight_slots()[name].view().clone()})
 
 
+def unfused(engine: Engine, seqs: list[list[int]]):
+    """`engine.score(seqs)` on the torch path: the fused fold switched off for the call."""
+    kernel, engine.stepper.score_kernel = engine.stepper.score_kernel, None
+    try:
+        return engine.score(seqs)
+    finally:
+        engine.stepper.score_kernel = kernel
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -80,6 +91,7 @@ def run(rounds: int, hf_batch: int, n: int) -> dict:
     prefill = SamplingParams(max_tokens=1, temperature=0)
     sides = {
         "score, every position": lambda: engine.score(seqs),
+        "score, every position, unfused": lambda: unfused(engine, seqs),
         "score, responses (start=prompt)": lambda: engine.score(seqs, start=starts),
         "score, responses, top-20": lambda: engine.score(seqs, top_logprobs=20, start=starts),
         "engine prefill (max_tokens=1)": lambda: engine.generate(seqs, prefill),
