@@ -11,7 +11,9 @@ workload, sampled once by the engine), against two peers in the same run:
 Three scores: every position (`start=1`), the responses only
 (`start=len(prompt)`: the prompts' pages from the prefix cache, as a
 reference-KL or distillation call runs), and the responses with top-20
-alternatives. The prefix cache is emptied before every timed engine call (a
+alternatives; and every position again without the fused path (the head's
+whole-vocabulary logits for 128 rows at a time, then torch's logsumexp: what
+scoring ran before `score_block`). The prefix cache is emptied before every timed engine call (a
 weight commit of one unchanged tensor), so no call reuses another's pages.
 Rounds alternate the sides; tokens/s counts every token of the sequences.
 
@@ -63,23 +65,47 @@ def clear_cache(engine: Engine) -> None:
     engine.update_weights({name: engine.model.weight_slots()[name].view().clone()})
 
 
+def unfused(engine: Engine, seqs: list[list[int]]):
+    """`engine.score(seqs)` on the torch path: the fused fold switched off for the call."""
+    kernel, engine.stepper.score_kernel = engine.stepper.score_kernel, None
+    try:
+        return engine.score(seqs)
+    finally:
+        engine.stepper.score_kernel = kernel
+
+
+CLOCK = time.perf_counter  # `--cpu-time`: time.process_time, the process's CPU seconds (all its threads)
+
+
 def timed(fn) -> float:
-    start = time.perf_counter()
+    start = CLOCK()
     fn()
-    return time.perf_counter() - start
+    return CLOCK() - start
 
 
-def run(rounds: int, hf_batch: int, n: int) -> dict:
+def random_sequences(n: int, length: int, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """`--random`: 16 x `n` sequences of `length` random token ids, the first half a "prompt"
+    (scoring's cost does not depend on the tokens: no generation needed first)."""
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(16 * n)]
+    return seqs, [length // 2] * len(seqs)
+
+
+def run(rounds: int, hf_batch: int, n: int, random_length: int = 0) -> dict:
     from transformers import AutoModelForCausalLM
 
     work = Workload()
     engine = Engine(work.path, device="cpu")
-    seqs, starts = sequences(engine, work, n)
+    if random_length:
+        seqs, starts = random_sequences(n, random_length, engine.model_config.vocab_size)
+    else:
+        seqs, starts = sequences(engine, work, n)
     tokens = sum(map(len, seqs))
     hf = AutoModelForCausalLM.from_pretrained(str(work.path), dtype=torch.float32).eval()
     prefill = SamplingParams(max_tokens=1, temperature=0)
     sides = {
         "score, every position": lambda: engine.score(seqs),
+        "score, every position, unfused": lambda: unfused(engine, seqs),
         "score, responses (start=prompt)": lambda: engine.score(seqs, start=starts),
         "score, responses, top-20": lambda: engine.score(seqs, top_logprobs=20, start=starts),
         "engine prefill (max_tokens=1)": lambda: engine.generate(seqs, prefill),
@@ -105,9 +131,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--n", type=int, default=8, help="samples per prompt (8: the GRPO batch's 128 rows)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by the process's CPU seconds, not the wall clock: on a host other work loads (with --threads 1)",
+    )
+    parser.add_argument("--random", type=int, default=0, help="score 16 x n random sequences of this many tokens")
     args = parser.parse_args()
-    print(describe(), flush=True)
-    r = run(args.rounds, args.hf_batch, args.n)
+    global CLOCK
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        CLOCK = time.process_time
+    print(describe() + ("; CPU time" if args.cpu_time else ""), flush=True)
+    r = run(args.rounds, args.hf_batch, args.n, args.random)
     medians = {name: statistics.median(v) for name, v in r["rates"].items()}
     hf, pre = medians["transformers forward"], medians["engine prefill (max_tokens=1)"]
     for name, rates in r["rates"].items():

@@ -8,7 +8,7 @@ from .alarm import MismatchAlarm, WeightSyncError
 from .batch import RolloutBatch
 from .bridge import PendingRollout, TrainerBridge
 from .corrections import Correction, CorrectionResult, corrected_policy_loss, correction_weights
-from .distill import reverse_kl_loss, teacher_logprobs
+from .distill import response_log_softmax, reverse_kl_loss, teacher_logprobs, topk_reverse_kl_loss
 from .logprobs import logprob_mismatch, token_logprobs
 from .names import canonical_name, export_state_dict
 from .routing_replay import routing_replay, sparse_routers
@@ -29,8 +29,10 @@ __all__ = [
     "correction_weights",
     "export_state_dict",
     "logprob_mismatch",
+    "response_log_softmax",
     "reverse_kl_loss",
     "teacher_logprobs",
+    "topk_reverse_kl_loss",
     "routing_replay",
     "sparse_routers",
     "token_logprobs",

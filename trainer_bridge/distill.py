@@ -14,7 +14,20 @@ own samples, as on-policy distillation optimises it: each sampled token's
 advantage is `log p_teacher(x) - log p_old(x)` (minus the per-token KL
 estimate), in the clipped surrogate of `grpo.clipped_policy_loss`, so with
 the rollout policy as the old one its gradient is the sampled estimate of
-the reverse KL's gradient, with no critic and no reward."""
+the reverse KL's gradient, with no critic and no reward.
+
+`topk_reverse_kl_loss` uses the teacher's top k instead of one sampled token:
+at every response position it computes KL(student || teacher) exactly over
+the tokens the teacher scored there (its k most likely, and the sampled
+token) plus one tail bucket holding the rest of the vocabulary, whose
+teacher mass is 1 minus the teacher's mass on those tokens (at least
+`min_tail`, as the scored mass may round past 1). That is the reverse KL
+between the two distributions lumped into those events: a lower bound of the
+full reverse KL, equal to it where the tail is empty or both tails are
+proportional, and 0 only where the student matches the teacher on every
+scored token and in tail mass. Its gradient is dense over the scored tokens
+(the student's full log-softmax at each position comes from the trainer's
+forward, `response_log_softmax`)."""
 
 from __future__ import annotations
 
@@ -77,3 +90,50 @@ def reverse_kl_loss(
     tokens = m.sum().clamp(min=1)
     loss = -(surrogate * m).sum() / tokens
     return loss, {"distill/reverse_kl": float(-(advantages * m).sum() / tokens)}
+
+
+def response_log_softmax(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+    """The student's float32 log-softmax `[B, R, vocab]` at the positions that
+    predict the response tokens (`model` a Hugging Face causal LM); differentiable.
+    The raw distribution: temperature and filters are not applied."""
+    inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+    p, r = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    return torch.log_softmax(model(**inputs).logits[:, p - 1 : p + r - 1].float(), dim=-1)
+
+
+def topk_reverse_kl_loss(
+    student_logprobs: torch.Tensor, batch: RolloutBatch, min_tail: float = 1e-6
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The mean over the response tokens (`batch.response_mask`) of KL(student ||
+    teacher) over the teacher's top k and the sampled token plus a tail bucket (see the
+    module docstring). `student_logprobs` `[B, R, vocab]` (`response_log_softmax`);
+    `batch` carries the teacher's scores with top k (`teacher_logprobs` with
+    `top_logprobs=k`, or `TrainerBridge(teacher_top_logprobs=k)`). Returns the loss and
+    `distill/topk_reverse_kl` (its value)."""
+    if batch.teacher_logprobs is None or batch.teacher_top_ids is None or batch.teacher_top_logprobs is None:
+        raise ValueError(
+            "batch has no teacher top-k logprobs: score it with teacher_logprobs(..., top_logprobs=k > 0) "
+            "or TrainerBridge(teacher=..., teacher_top_logprobs=k > 0)"
+        )
+    b, r = batch.response_ids.shape
+    if student_logprobs.dim() != 3 or student_logprobs.shape[:2] != (b, r):
+        raise ValueError(
+            f"student_logprobs must be [B, R, vocab] = [{b}, {r}, vocab], got {list(student_logprobs.shape)}"
+        )
+    if not isinstance(min_tail, float) or not 0 < min_tail < 1:
+        raise ValueError(f"min_tail must be a float in (0, 1), got {min_tail!r}")
+    top_ids, top_lp = batch.teacher_top_ids, batch.teacher_top_logprobs
+    sampled = batch.response_ids[..., None]
+    ids = torch.cat([top_ids, sampled], dim=-1)  # [B, R, k + 1]: the tokens the teacher scored
+    teacher = torch.cat([top_lp, batch.teacher_logprobs[..., None]], dim=-1).double()
+    # A slot counts once: padded top entries (-inf) and a sampled token among the top k do not.
+    scored = torch.cat([torch.isfinite(top_lp), ~(top_ids == sampled).any(-1, keepdim=True)], dim=-1)
+    student = student_logprobs.gather(-1, ids).double()
+    s, t = student.exp() * scored, teacher.exp() * scored
+    s_tail = (1 - s.sum(-1)).clamp(min=0)
+    t_tail = (1 - t.sum(-1)).clamp(min=min_tail)
+    inside = (s * torch.where(scored, student - teacher, 0)).sum(-1)
+    kl = inside + s_tail * (s_tail.clamp(min=min_tail).log() - t_tail.log())
+    m = batch.response_mask.bool()
+    loss = torch.where(m, kl, 0).sum() / m.sum().clamp(min=1)
+    return loss.to(student_logprobs.dtype), {"distill/topk_reverse_kl": float(loss.detach())}

@@ -2,7 +2,7 @@
 programmatic reward, with a weight push after every optimizer step.
 
     python -m examples.grpo_demo [--steps 80] [--actors 2] [--out runs/demo] [--no-wandb] [--task rule|tool|distill]
-        [--colocate] [--lora]
+        [--colocate] [--lora] [--distill-top-k K]
         [--model dense|moe]
 """
 
@@ -40,6 +40,12 @@ def main() -> None:
     parser.add_argument(
         "--model", choices=("dense", "moe"), default="dense", help="moe: a Qwen3-MoE policy trained with routing replay"
     )
+    parser.add_argument(
+        "--distill-top-k",
+        type=int,
+        default=0,
+        help="distill: the reverse KL over the teacher's top k (1-20) instead of the sampled token's (0)",
+    )
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 150 if args.task == "tool" else 80
@@ -56,6 +62,7 @@ def main() -> None:
             colocate=args.colocate,
             lora=args.lora,
             model=args.model,
+            distill_top_k=args.distill_top_k,
         )
     )
     print(json.dumps(summary, indent=2))

@@ -6,8 +6,11 @@ cluster, the teacher (an in-process `Engine` of its checkpoint) scores every
 sampled token through `TrainerBridge(teacher=...)`, and the student steps on
 the per-token reverse KL (`trainer_bridge.distill.reverse_kl_loss`), with no
 reward in the loss. The reward is logged to show it learns the rule anyway.
+With `--distill-top-k k` the teacher also returns its k most likely tokens
+per position and the loss is the reverse KL over them, the sampled token and
+a tail bucket (`topk_reverse_kl_loss`): dense per position, not sampled.
 
-    python -m examples.grpo_demo --task distill
+    python -m examples.grpo_demo --task distill [--distill-top-k 5]
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 from examples.grpo_demo import task
 from examples.grpo_demo.trainer import DemoConfig, _mismatch, push_and_record
 from rollout import SamplingParams
-from trainer_bridge.distill import reverse_kl_loss
+from trainer_bridge.distill import response_log_softmax, reverse_kl_loss, topk_reverse_kl_loss
 from trainer_bridge.logprobs import token_logprobs
 
 TEACHER_STEPS = 300  # supervised steps that teach the teacher the rule (it reaches ~1.0 reward)
@@ -66,13 +69,22 @@ def train(cfg: DemoConfig, model, bridge, metrics, progress: bool) -> list[dict]
         reward = task.rewards(prompts, batch)
         mismatch = _mismatch(batch, snapshots)
         model.train()
-        new = token_logprobs(model, batch)
-        loss, stats = reverse_kl_loss(new, batch.old_logprobs, batch.teacher_logprobs, batch.response_mask, cfg.clip)
+        if cfg.distill_top_k:  # the reverse KL over the teacher's top k at every position
+            loss, stats = topk_reverse_kl_loss(response_log_softmax(model, batch), batch)
+            m = batch.response_mask
+            stats["distill/reverse_kl"] = float(((batch.old_logprobs - batch.teacher_logprobs) * m).sum() / m.sum())
+        else:
+            new = token_logprobs(model, batch)
+            loss, stats = reverse_kl_loss(
+                new, batch.old_logprobs, batch.teacher_logprobs, batch.response_mask, cfg.clip
+            )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         row = push_and_record(cfg, model, bridge, snapshots, step, batch, reward, loss.item(), mismatch)
         row["reverse_kl"] = stats["distill/reverse_kl"]
+        if cfg.distill_top_k:
+            row["topk_reverse_kl"] = stats["distill/topk_reverse_kl"]
         rows.append(row)
         metrics.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
         bar.set_postfix(reward=f"{row['reward']:.2f}", kl=f"{row['reverse_kl']:.3f}")

@@ -55,6 +55,9 @@ class DemoConfig:
     lora: bool = False  # train LoRA adapters (PEFT); pushes send the adapters only
     # "moe": a Qwen3-MoE policy, trained with routing replay (the rollouts' experts forced, docs/moe.md)
     model: str = "dense"
+    # The distill task's loss: 0, the sampled reverse KL (`reverse_kl_loss`); k > 0, the reverse KL
+    # over the teacher's top k, the sampled token and a tail bucket (`topk_reverse_kl_loss`).
+    distill_top_k: int = 0
 
     def __post_init__(self) -> None:
         for name in ("steps", "actors", "prompts_per_step", "n"):
@@ -69,6 +72,11 @@ class DemoConfig:
             raise ValueError(f"model must be 'dense' or 'moe', got {self.model!r}")
         if self.model == "moe" and self.task != "rule":
             raise ValueError("model 'moe' runs the 'rule' task (a cluster session returns no routed experts)")
+        check_int("distill_top_k", self.distill_top_k, 0, "and <= 20 (0: the sampled reverse KL)")
+        if self.distill_top_k > 20 or (self.distill_top_k and self.task != "distill"):
+            raise ValueError(
+                f"distill_top_k must be in [0, 20] and only set with task 'distill', got {self.distill_top_k}"
+            )
         if self.model == "moe" and self.lora:
             raise ValueError("model 'moe' trains every weight (lora adapts the dense projections only)")
         self.out = Path(self.out)
@@ -108,7 +116,13 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
         )
     start = time.perf_counter()
     try:
-        bridge = TrainerBridge(target, max_staleness=cfg.max_staleness, metrics=metrics, teacher=teacher)
+        bridge = TrainerBridge(
+            target,
+            max_staleness=cfg.max_staleness,
+            metrics=metrics,
+            teacher=teacher,
+            teacher_top_logprobs=cfg.distill_top_k,
+        )
         rows = train(cfg, model, bridge, metrics, progress)
         peak = peak_memory(target)
     finally:

@@ -5,11 +5,15 @@ Both are prefill. A request that asks keeps the logits of every prompt
 position it needs: position p's logits score token p + 1, so a chunk of
 positions [a, b) yields the logprobs of tokens a + 1 .. b, the next chunk's
 first token included (it is known, never sampled). The step computes the
-chunk's hidden states as usual; the stepper projects the rows these requests
-need through the head in blocks (`compute_scores`, at most `SCORE_BLOCK` rows
-of vocabulary-wide logits at a time) and scores them with the sampler's own
-`logprobs_of` and `top_logprobs`, so the distribution is the one sampling
-reports (temperature, filters, `logprobs_mode`) and a trainer recomputes.
+chunk's hidden states as usual; the stepper scores the rows these requests
+need (`compute_scores`) as the sampler reports logprobs (temperature, filters,
+`logprobs_mode`), so the distribution is the one a trainer recomputes. On the
+compiled CPU kernels, rows whose distribution has no filter (the common case)
+take the fused path: blocks of `FUSED_ROWS` rows meet the LM head a slice of
+`FUSED_VOCAB` token ids at a time, and `score_block` folds each slice's logits
+into an online logsumexp, the target's logit and a running top k while they
+are in cache. Otherwise the head projects `SCORE_BLOCK` rows at a time and the
+sampler's own `logprobs_of` and `top_logprobs` score them.
 
 The prefix cache. A cache hit attaches pages whose positions are not
 computed, so their logits do not exist. A request that asks for logprobs
@@ -29,6 +33,7 @@ policies' weights.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -38,12 +43,15 @@ from ..sampling_params import SamplingParams
 from .sampler import MODE_CODES, SamplerFlags, SamplingBatch, logprobs_of, top_logprobs
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from .plan import ScheduledChunk
     from .sequence import Sequence
 
-SCORE_BLOCK = 128  # rows of [rows, vocab] logits projected at once: bounds the step's extra memory
+SCORE_BLOCK = 128  # rows of [rows, vocab] logits projected at once (torch path): bounds the step's extra memory
+# The fused path: rows per block, and token ids per slice of the LM head; a [256, 4096]
+# float32 block of logits (4 MB) stays in cache while the kernel folds it in, and oneDNN
+# multiplies these slices about a fifth faster than the whole head (docs/benchmarks.md).
+FUSED_ROWS = 256
+FUSED_VOCAB = 4096
 
 
 @dataclass(slots=True)
@@ -124,27 +132,30 @@ def score_spans(chunks: list[ScheduledChunk]) -> list[ScoreSpan]:
     return spans
 
 
-def compute_scores(
-    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, spans: list[ScoreSpan]
-) -> list[SpanScores]:
-    """Logprobs (and top logprobs) of every span's targets: `head` maps hidden rows
-    to float32 logits, `hidden` `[T, H]` is the step's last hidden states."""
+def compute_scores(model, hidden: torch.Tensor, spans: list[ScoreSpan], kernel=None) -> list[SpanScores]:
+    """Logprobs (and top logprobs) of every span's targets; `hidden` `[T, H]` is the
+    step's last hidden states, `model` maps them to logits (`logits`, `head_slices`).
+    With `kernel` (the compiled `score_block`) and rows whose distribution needs no
+    filter, the fused path (`_fused_scores`); else `_torch_scores`."""
     device = hidden.device
     rows = torch.tensor([r for s in spans for r in range(s.row, s.row + len(s.targets))], device=device)
     targets = torch.tensor([t for s in spans for t in s.targets], device=device)
     per_row = [s.seq.request.params for s in spans for _ in s.targets]
     batch = _batch(per_row, device)
     k = max(s.seq.request.prompt_scores.top for s in spans)
+    fused = kernel is not None and device.type == "cpu" and not batch.flags.any_filter
+    block = FUSED_ROWS if fused else SCORE_BLOCK
     values, top_ids, top_values = [], [], []
-    for lo in range(0, len(per_row), SCORE_BLOCK):
-        index = torch.arange(lo, min(lo + SCORE_BLOCK, len(per_row)), device=device)
-        logits = head(hidden.index_select(0, rows[index]))
-        sub = batch.rows(index)
-        values.append(_logprobs(logits, targets[index], sub))
-        if k:
-            ids, vals = top_logprobs(logits, sub, k)
-            top_ids.append(ids)
-            top_values.append(vals)
+    for lo in range(0, len(per_row), block):
+        index = torch.arange(lo, min(lo + block, len(per_row)), device=device)
+        h, sub = hidden.index_select(0, rows[index]), batch.rows(index)
+        if fused:
+            lp, ids, vals = _fused_scores(model.head_slices(h, FUSED_VOCAB), targets[index], _divisor(sub), k, kernel)
+        else:
+            lp, ids, vals = _torch_scores(model.logits(h), targets[index], sub, k)
+        values.append(lp)
+        top_ids.append(ids)
+        top_values.append(vals)
     lp = torch.cat(values).tolist()
     ids = torch.cat(top_ids).tolist() if k else None
     vals = torch.cat(top_values).tolist() if k else None
@@ -162,6 +173,44 @@ def compute_scores(
     return out
 
 
+def _torch_scores(logits: torch.Tensor, targets: torch.Tensor, batch: SamplingBatch, k: int):
+    """The sampler's `logprobs_of` and `top_logprobs` on `[R, vocab]` logits (every
+    distribution: filters, modes, temperature), one log-softmax in the raw case."""
+    raw = (batch.temperature == 1) | (batch.temperature == 0) | (batch.mode == MODE_CODES["raw"])
+    if not batch.flags.any_filter and bool(raw.all()):
+        lp = logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    else:
+        lp = logprobs_of(logits, targets, batch)
+    ids, vals = top_logprobs(logits, batch, k) if k else (None, None)
+    return lp, ids, vals
+
+
+def _divisor(batch: SamplingBatch) -> torch.Tensor:
+    """Per row, the temperature the unfiltered distribution divides the logits by: 1
+    for the raw one (greedy rows and `logprobs_mode="raw"`), else the temperature
+    (`"processed"` without filters is `"scaled"`)."""
+    raw = (batch.temperature == 0) | (batch.mode == MODE_CODES["raw"])
+    return torch.where(raw, torch.ones_like(batch.temperature), batch.temperature)
+
+
+def _fused_scores(slices, targets: torch.Tensor, divisor: torch.Tensor, k: int, kernel):
+    """Logprobs of `targets` `[R]` (and the top `k`) under log_softmax(logits / divisor),
+    from `slices`, (first token id, `[R, n]` float32 logits) pairs covering the
+    vocabulary in order: `kernel` folds each slice into an online logsumexp, the
+    target's logit and a running top k while it is in cache, so no `[R, vocab]`
+    logits exist (see `csrc/score_block.cpp`)."""
+    r = targets.shape[0]
+    top = torch.full((r,), -math.inf)
+    total = torch.zeros(r, dtype=torch.float64)
+    picked = torch.zeros(r)
+    top_values = torch.full((r, k), -math.inf)
+    top_ids = torch.full((r, k), -1, dtype=torch.int64)
+    for first, logits in slices:
+        kernel(logits, first, targets, divisor, top, total, picked, top_values, top_ids)
+    lse = top.double() + total.log()
+    return (picked.double() - lse).float(), top_ids, (top_values.double() - lse[:, None]).float()
+
+
 def _batch(params: list[SamplingParams], device: torch.device) -> SamplingBatch:
     def column(values, dtype):
         return torch.tensor(values, dtype=dtype, device=device)
@@ -177,12 +226,3 @@ def _batch(params: list[SamplingParams], device: torch.device) -> SamplingBatch:
         mode=column([MODE_CODES[p.logprobs_mode] for p in params], torch.int64),
         flags=SamplerFlags.of(params),
     )
-
-
-def _logprobs(logits: torch.Tensor, targets: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """`logprobs_of`, with one log-softmax where every row's distribution is the
-    raw one (no filter, and temperature 1, 0 or the raw mode): the common case."""
-    raw = (batch.temperature == 1) | (batch.temperature == 0) | (batch.mode == MODE_CODES["raw"])
-    if not batch.flags.any_filter and bool(raw.all()):
-        return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-    return logprobs_of(logits, targets, batch)

@@ -93,6 +93,7 @@ class Stepper:
         self.decode_kernel = kernels.paged_decode if kernels is not None else None
         self.prefill_kernel = kernels.paged_prefill if kernels is not None else None
         self.sample_kernel = kernels.sample_rows if kernels is not None else None
+        self.score_kernel = kernels.score_block if kernels is not None else None
         self.device_sample = kernels.device_sample if kernels is not None else None
         self._sampled: SampledRows | None = None  # the last forward's logits: `_resample_uncovered`, a graph's top rows
         self._graph_sampled: dict[GraphKey, SampledRows] = {}  # the same, per decode graph (its static tensors)
@@ -246,7 +247,7 @@ class Stepper:
         if spans:
             hidden = self.model.hidden(ids, positions, meta, self.kv)
             logits = self.model.logits(hidden.index_select(0, ws.view("logit_rows", num_logits)))
-            scores = compute_scores(self.model.logits, hidden, spans)
+            scores = compute_scores(self.model, hidden, spans, self.score_kernel)
         else:
             logits = self.model(ids, positions, meta, self.kv, ws.view("logit_rows", num_logits))
         if num_logits != num_rows:

@@ -37,6 +37,18 @@ class SampleDelta:
     finish_reason: str | None  # set on the sample's last delta
     restarted: bool = False  # a `restart` commit dropped the sample's earlier tokens: these start over
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token, when the params ask
+    # The prompt's logprobs when the params ask (`prompt_logprobs`): on a sample's first delta,
+    # and again on a restarted one (computed anew under the new weights); None on the others.
+    prompt: PromptDelta | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptDelta:
+    """A prompt's tokens and their logprobs, as `RolloutOutput` gives them at the end."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float | None, ...]  # per position, the first None
+    top_logprobs: tuple[dict[int, float] | None, ...] | None  # per position (the first None); None: not asked
 
 
 class StreamCursor:
@@ -59,7 +71,11 @@ class StreamCursor:
             start, total = 0 if restarted else self.sent[k], s.num_output_tokens
             self.restarts[k] = s.num_restarts
             if total > start or s.is_finished or restarted:
-                p = s.num_prompt_tokens
+                p, prompt = s.num_prompt_tokens, None
+                scores = self.request.prompt_scores
+                if scores is not None and scores.done and start == 0:
+                    top = None if scores.top_logprobs is None else tuple(scores.top_logprobs)
+                    prompt = PromptDelta(tuple(s.token_ids[:p]), tuple(scores.logprobs), top)
                 out.append(
                     SampleDelta(
                         k,
@@ -69,6 +85,7 @@ class StreamCursor:
                         s.finish_reason,
                         restarted,
                         tuple(s.top_logprobs[start:]),
+                        prompt,
                     )
                 )
                 self.sent[k], self.ended[k] = total, s.is_finished

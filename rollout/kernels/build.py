@@ -11,6 +11,8 @@
   instead of about a dozen ops; with top-k, top-p or min-p, a sort of the
   candidates that can be kept instead of the whole vocabulary;
   `counter_uniform` draws its per-row uniforms, as `rollout.engine.sampler` defines them.
+- `score_block`: teacher-forced logprobs (and top k) folded one vocabulary
+  block of logits at a time, an online logsumexp (`rollout.engine.scoring`).
 
 The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`)
 against the installed torch into one shared library named by a hash of the
@@ -46,6 +48,7 @@ SOURCES = tuple(
         "decode_layers.cpp",
         "skinny_linear.cpp",
         "moe_experts.cpp",
+        "score_block.cpp",
     )
 )
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("vec_math.h", "kernels.h"))

@@ -18,7 +18,8 @@ the same signatures, those of the compiled CPU ops (`csrc/`):
   place, all chunks of a step in one launch;
 - `sample_rows` (or None): the compiled CPU sampler; `device_sample` (or None):
   the device sampler, which marks the rows whose kept set its candidates may
-  not cover (`rollout.engine.stepper` resamples those with the reference).
+  not cover (`rollout.engine.stepper` resamples those with the reference);
+- `score_block` (or None): the compiled CPU scoring fold (`rollout.engine.scoring`).
 
 `fuses(dtype, device)` says whether the elementwise ops apply to a model of
 that dtype on that device; where they do not, the model keeps torch's ops
@@ -51,6 +52,7 @@ class CompiledOps:
         self.moe_experts = lib.moe_experts  # a sparse layer's experts, float32 (`rollout.model.moe`)
         self.paged_decode = lib.paged_decode
         self.sample_rows = lib.sample_rows
+        self.score_block = lib.score_block
 
     @staticmethod
     def fuses(dtype: torch.dtype, device: torch.device) -> bool:
@@ -73,6 +75,7 @@ class TritonOps:
     lib = None
     moe_experts = None  # sparse layers loop over experts with torch's GEMMs
     sample_rows = None
+    score_block = None
     tables_in_place = True
 
     def __init__(self) -> None:

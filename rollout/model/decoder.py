@@ -210,6 +210,16 @@ class Model(nn.Module):
         """float32 logits `[R, vocab]` of hidden states `h` `[R, hidden]` (from `hidden`)."""
         return self._project(self._norm(h, self.norm), *self._head).float()
 
+    @torch.inference_mode()
+    def head_slices(self, h: torch.Tensor, size: int):
+        """`logits(h)` a slice of the vocabulary at a time: (first token id, float32
+        logits `[R, size]`, the last slice shorter) pairs, in id order. Each is the
+        GEMM of the normed rows with a view of the head's rows (oneDNN takes a plain
+        weight without the packed copy), so no `[R, vocab]` logits exist at once."""
+        x, weight = self._norm(h, self.norm), self._head[1]
+        for first in range(0, weight.shape[0], size):
+            yield first, self._linear(x, weight[first : first + size]).float()
+
     def _fused_layers(self, h, positions, meta, kv) -> torch.Tensor:
         """The layers with each residual add folded into the next RMSNorm; `h` is updated in place."""
         eps, ops = self.cfg.rms_norm_eps, self._ops

@@ -11,6 +11,13 @@
   the k most likely tokens (ranks 1..k) and the prompt's own token (its rank
   when it is among them, else null: the engine keeps no full ranking); on each
   completion choice, and at the top level of a chat response, where vLLM puts it.
+- Streamed completions (`echo_chunk`), as vLLM streams echo: each choice's
+  first chunk carries the prompt's text before its first tokens' and, with
+  `logprobs`, the prompt tokens' logprobs before theirs (text offsets from the
+  prompt's start), so the chunks put together equal the whole response; with
+  `max_tokens=0` that chunk holds the prompt alone. `prompt_logprobs` (which
+  vLLM refuses when streaming) rides on the same chunk. A chunk that restarts
+  its choice (a `restart` weight commit) echoes the prompt again, as recomputed.
 
 The logprobs are the engine's prompt logprobs (`SamplingParams.prompt_logprobs`),
 in the request's distribution (temperature, filters, `logprobs_mode`), as its
@@ -18,9 +25,11 @@ sampled tokens' are."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from ..engine.streams import SampleDelta
 from ..outputs import RolloutOutput, Sample
 
 if TYPE_CHECKING:
@@ -72,6 +81,13 @@ def drop_samples(echo: Echo | None, outputs: list[RolloutOutput]) -> list[Rollou
     ]
 
 
+def drop_delta(echo: Echo | None, delta: SampleDelta) -> SampleDelta:
+    """A streamed `delta` without its tokens when the request asked for none (`max_tokens=0`)."""
+    if echo is None or not echo.drop_samples:
+        return delta
+    return replace(delta, token_ids=(), logprobs=(), versions=(), top_logprobs=())
+
+
 def _no_rows(array):
     """`array` with none of its rows (None stays None): a sample that kept no token."""
     return None if array is None else array[:0].copy()
@@ -79,43 +95,65 @@ def _no_rows(array):
 
 def echo_choice(reply: Reply, choice: dict, prompt: int, out: RolloutOutput, sample: Sample) -> None:
     """Complete a completion `choice` (of prompt number `prompt`) with what `reply.job.echo` asks."""
-    echo = reply.job.echo
+    ids, lps, tops = out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs
+    sample_top = sample.top_logprobs or [()] * len(sample.token_ids)
+    _echo(reply, choice, prompt, (ids, lps, tops), (sample.token_ids, sample.logprobs, sample_top))
+
+
+def echo_chunk(reply: Reply, chunk: dict, prompt: int, delta: SampleDelta) -> None:
+    """Complete a streamed completion `chunk` of `delta` (of prompt number `prompt`) with
+    what `reply.job.echo` asks, when the delta carries its prompt (a choice's first, or a
+    restarted one); the chunk's text and logprobs then start at the prompt's."""
+    if reply.job.echo is None or delta.prompt is None:
+        return
+    p = delta.prompt
+    own = (delta.token_ids, delta.logprobs, delta.top_logprobs or [()] * len(delta.token_ids))
+    _echo(reply, chunk["choices"][0], prompt, (p.token_ids, p.logprobs, p.top_logprobs), own)
+
+
+def _echo(reply: Reply, choice: dict, prompt: int, prompt_part: tuple, own: tuple) -> None:
+    """The echo of a choice (or a chunk's), from the prompt's (ids, logprobs, tops) and its own."""
+    echo, (ids, lps, tops) = reply.job.echo, prompt_part
     if echo.echo:
         text = echo.texts[prompt]
         if text is None:
-            text = reply.codec.decode(out.prompt_token_ids) if reply.codec is not None else ""
+            text = reply.codec.decode(list(ids)) if reply.codec is not None else ""
         choice["text"] = text + choice["text"]
         if reply.job.logprobs:
-            choice["logprobs"] = _echo_logprobs(reply, choice["index"], out, sample, echo.top)
+            choice["logprobs"] = _echo_logprobs(reply, choice["index"], prompt_part, own, echo.top)
     if echo.extension is not None:
-        choice["prompt_logprobs"] = prompt_logprobs(reply, out, echo.extension)
+        choice["prompt_logprobs"] = prompt_logprobs(reply, ids, lps, tops, echo.extension)
 
 
 def echo_body(reply: Reply, body: dict, outputs: list[RolloutOutput]) -> None:
     """A chat response's top-level `prompt_logprobs` (its one prompt's)."""
     if reply.job.echo is not None and reply.job.echo.extension is not None:
-        body["prompt_logprobs"] = prompt_logprobs(reply, outputs[0], reply.job.echo.extension)
+        out = outputs[0]
+        k = reply.job.echo.extension
+        body["prompt_logprobs"] = prompt_logprobs(
+            reply, out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs, k
+        )
 
 
-def _echo_logprobs(reply: Reply, index: int, out: RolloutOutput, sample: Sample, k: int) -> dict:
-    """The legacy `logprobs` object over the prompt's tokens, then the completion's."""
-    n = len(out.prompt_token_ids)
-    tops = out.prompt_top_logprobs or [None] * n
-    prompt_top = [() if d is None else _best(d, k) for d in tops]
-    sample_top = sample.top_logprobs or [()] * len(sample.token_ids)
+def _echo_logprobs(reply: Reply, index: int, prompt_part: tuple, own: tuple, k: int) -> dict:
+    """The legacy `logprobs` object over the prompt's tokens, then the choice's own."""
+    (ids, lps, tops), (own_ids, own_lps, own_tops) = prompt_part, own
+    prompt_top = [() if d is None else _best(d, k) for d in (tops or [None] * len(ids))]
     reply.offsets.pop(index, None)  # offsets count from the prompt's first character
-    ids = out.prompt_token_ids + sample.token_ids
-    logprobs = reply._logprobs(index, ids, out.prompt_logprobs + sample.logprobs, prompt_top + sample_top)
+    logprobs = reply._logprobs(index, [*ids, *own_ids], [*lps, *own_lps], [*prompt_top, *own_tops])
     logprobs["top_logprobs"][0] = None  # the first token has no distribution to rank it in
     return logprobs
 
 
-def prompt_logprobs(reply: Reply, out: RolloutOutput, k: int) -> list[dict | None]:
-    """vLLM's `prompt_logprobs` of one prompt, keyed by token id strings."""
-    tops = out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)
+def prompt_logprobs(
+    reply: Reply, ids: Sequence[int], lps: Sequence[float | None], tops: Sequence | None, k: int
+) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of one prompt (its token ids, logprobs and alternatives),
+    keyed by token id strings."""
+    tops = tops or [None] * len(ids)
     entries: list[dict | None] = [None]
-    for i in range(1, len(out.prompt_token_ids)):
-        token, logprob = out.prompt_token_ids[i], out.prompt_logprobs[i]
+    for i in range(1, len(ids)):
+        token, logprob = ids[i], lps[i]
         best = _best(tops[i], k) if tops[i] is not None else ()
         ranked = {t: (lp, r + 1) for r, (t, lp) in enumerate(best)}
         ranked.setdefault(token, (logprob, None))

@@ -5,7 +5,8 @@ logprobs and versions, and the text they release; see `streaming.py`),
 then each sample's last chunk (the rest of its text and its
 `finish_reason`) when its prompt's `RolloutOutput` arrives, an optional
 usage chunk, and `data: [DONE]`. A chat stream opens with a chunk per
-choice that carries the assistant role. An error after the stream began
+choice that carries the assistant role; a completions stream with echo or
+`prompt_logprobs` has each choice's first chunk carry its prompt (`echo.py`). An error after the stream began
 is sent as an `{"error": ...}` event before `[DONE]`, since the status
 line has gone out already."""
 
@@ -17,6 +18,7 @@ from ..engine.errors import UnavailableError
 from ..engine.streams import SampleDelta, TokenStream
 from ..outputs import RolloutOutput
 from ..tool_calls import ToolCallStream
+from .echo import drop_delta, drop_samples, echo_chunk
 from .errors import internal_error, unavailable
 from .generation import cancel, items
 from .metrics import Metrics
@@ -37,6 +39,7 @@ async def events(reply: Reply, streams: list[TokenStream], metrics: Metrics) -> 
                 yield sse(reply.chunk(c, "", first=True))
         async for p, item in items(streams):
             if isinstance(item, SampleDelta):
+                item = drop_delta(job.echo, item)
                 c = p * n + item.index
                 last = item.finish_reason is not None
                 sample = texts[c]
@@ -55,12 +58,14 @@ async def events(reply: Reply, streams: list[TokenStream], metrics: Metrics) -> 
                     top=item.top_logprobs,
                     restarted=item.restarted,
                 )
+                if not reply.chat:
+                    echo_chunk(reply, chunk, p, item)
                 metrics.completion_tokens += len(item.token_ids)
                 yield sse(chunk)
                 for chunk in call_chunks(reply, c, deltas):
                     yield sse(chunk)
             else:
-                outputs[p] = item
+                item = outputs[p] = drop_samples(job.echo, [item])[0]
                 metrics.prompt_tokens += len(item.prompt_token_ids)
                 for k, s in enumerate(item.samples):
                     c, reason = p * n + k, s.finish_reason

@@ -67,8 +67,6 @@ class CommonRequest(BaseModel):
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             k = self.prompt_logprobs
             return "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {k}"
-        if self.prompt_logprobs is not None and self.stream:
-            return "prompt_logprobs", "prompt_logprobs is not supported with stream=true"
         return None
 
 
@@ -82,8 +80,6 @@ class CompletionRequest(CommonRequest):
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo and self.stream:
-            return "echo", "echo is not supported with stream=true"
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens=0 needs echo=true (the prompt and its logprobs, nothing generated)"
         if self.best_of not in (None, self.n):
@@ -168,6 +164,8 @@ class ChatRequest(CommonRequest):
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
             return "echo", "echo is not supported on chat completions: use /v1/completions or prompt_logprobs"
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt_logprobs with stream=true is supported on /v1/completions only"
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             return "top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {self.top_logprobs}"
         if self.top_logprobs is not None and not self.logprobs:

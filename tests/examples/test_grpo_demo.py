@@ -94,6 +94,11 @@ def test_tool_environment_answers_only_an_ask():
     assert AskEnv(secret=9).step(Turn("0")) == (None, 0.0, True)  # no ask: the episode ends unrewarded
     with pytest.raises(ValueError, match="task"):
         DemoConfig(task="chess")
+    with pytest.raises(ValueError, match="distill_top_k"):
+        DemoConfig(task="rule", distill_top_k=3)
+    with pytest.raises(ValueError, match="distill_top_k"):
+        DemoConfig(task="distill", distill_top_k=21)
+    assert DemoConfig(task="distill", distill_top_k=5).distill_top_k == 5
 
 
 def test_demo_with_over_sampling_and_tis(ray_session, tmp_path, monkeypatch):

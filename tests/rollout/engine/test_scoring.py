@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from rollout import SamplingParams
+from rollout.engine import scoring
+from rollout.kernels import cpu_ops
 from tests.conftest import make_engine
 from tests.reference import processed_logprobs
 
@@ -219,3 +221,46 @@ def test_score_through_the_triton_kernels(qwen2):
     assert engine.config.kernels == "triton"
     (scored,) = engine.score([SEQS[1]], top_logprobs=2)
     _check(scored, _reference(qwen2.hf, SEQS[1]), SEQS[1], 2)
+
+
+def test_score_block_folds_vocabulary_slices_into_the_float64_log_softmax():
+    """The compiled fold of `_fused_scores`, slice by slice (the last one shorter), against
+    a float64 log-softmax of the whole rows: the running maximum rescales its sum when a
+    later slice holds the maximum, ties rank by lower id, a NaN row reports NaN."""
+    g = torch.Generator().manual_seed(3)
+    rows, vocab, k = 8, 203, 6
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    logits[1] = logits[1].round()  # many ties: the lower id first
+    logits[2, 180:] += 60.0  # the maximum in the last slice
+    logits[3] *= 25.0  # nearly one-hot
+    logits[7, 17] = float("nan")
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    divisor = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.5, 1.0, 0.3, 1.0])
+    slices = ((first, logits[:, first : first + 50]) for first in range(0, vocab, 50))
+    lp, ids, values = scoring._fused_scores(slices, targets, divisor, k, cpu_ops().score_block)
+    ref = torch.log_softmax(logits.double() / divisor.double()[:, None], -1)
+    best, order = ref.sort(dim=-1, descending=True, stable=True)
+    assert torch.allclose(lp[:7].double(), ref[:7].gather(1, targets[:7, None]).squeeze(1), atol=1e-5, rtol=1e-6)
+    assert torch.equal(ids[:7], order[:7, :k])
+    assert torch.allclose(values[:7].double(), best[:7, :k], atol=1e-5, rtol=1e-6)
+    assert lp[7].isnan() and values[7].isnan().all()
+    with pytest.raises(RuntimeError, match="divisor"):
+        scoring._fused_scores([(0, logits)], targets, torch.zeros(rows), k, cpu_ops().score_block)
+
+
+def test_fused_scoring_in_slices_and_row_blocks_equals_transformers(qwen2, monkeypatch):
+    """The engine's fused path with slices of 40 token ids and blocks of 7 rows (every
+    sequence spans blocks, every row three slices), under the scaled and the greedy (raw)
+    distributions, against transformers; the compiled fold ran."""
+    monkeypatch.setattr(scoring, "FUSED_VOCAB", 40)
+    monkeypatch.setattr(scoring, "FUSED_ROWS", 7)
+    engine = make_engine(qwen2.path)
+    calls = []
+    fold = engine.stepper.score_kernel
+    engine.stepper.score_kernel = lambda *args: calls.append(args[1]) or fold(*args)
+    scaled = engine.score(SEQS, top_logprobs=3, params=SamplingParams(temperature=0.7))  # unfiltered "processed"
+    for scored, ids in zip(scaled, SEQS, strict=True):
+        _check(scored, _reference(qwen2.hf, ids, 0.7), ids, 3)
+    assert sorted(set(calls)) == [0, 40, 80]
+    (greedy,) = engine.score(SEQS[:1], top_logprobs=2, params=SamplingParams(temperature=0.0))
+    _check(greedy, _reference(qwen2.hf, SEQS[0]), SEQS[0], 2)

@@ -106,6 +106,52 @@ def test_vllm_prompt_logprobs_on_both_endpoints(tiny_server, hf, tok):
     assert chat_entries[0] is None and all(len(e) == 1 for e in chat_entries[1:])
 
 
+def _streamed(client, **body) -> dict[int, dict]:
+    """Each choice of a streamed completion put together: text, logprobs lists, the chunks' texts."""
+    choices: dict[int, dict] = {}
+    for chunk in client.completions.create(model="tiny", stream=True, **body):
+        for c in chunk.choices:
+            got = choices.setdefault(c.index, {"text": "", "chunks": [], "logprobs": None, "extra": []})
+            got["text"] += c.text
+            got["chunks"].append(c.text)
+            got["extra"].append(c.model_extra.get("prompt_logprobs"))
+            got["finish_reason"] = c.finish_reason
+            if c.logprobs is not None and c.logprobs.tokens:
+                lp = c.logprobs.model_dump()
+                got["logprobs"] = lp if got["logprobs"] is None else {k: got["logprobs"][k] + lp[k] for k in lp}
+    return choices
+
+
+def test_streamed_echo_equals_the_whole_answer_through_the_openai_client(tiny_server, hf, tok):
+    """vLLM's streamed echo: each choice's first chunk holds the prompt's text and its
+    tokens' logprobs before the first sampled ones; put together, the chunks equal the
+    answer without streaming (and the prompt logprobs transformers' log-softmax)."""
+    client = tiny_server.openai()
+    body = dict(prompt=[PROMPT, "a dog"], echo=True, logprobs=2, max_tokens=3, temperature=0, n=2)
+    extra = dict(extra_body={"prompt_logprobs": 1})
+    whole = client.completions.create(model="tiny", **body, **extra).model_dump()["choices"]
+    streamed = _streamed(client, **body, **extra)
+    assert sorted(streamed) == [0, 1, 2, 3]
+    for c in whole:
+        got, prompt = streamed[c["index"]], [PROMPT, "a dog"][c["index"] // 2]
+        assert got["chunks"][0].startswith(prompt) and got["text"] == c["text"]
+        assert got["finish_reason"] == c["finish_reason"] == "length"
+        assert got["logprobs"]["tokens"] == c["logprobs"]["tokens"]
+        assert got["logprobs"]["text_offset"] == c["logprobs"]["text_offset"]
+        assert got["logprobs"]["token_logprobs"][0] is None and got["logprobs"]["top_logprobs"][0] is None
+        assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(c["logprobs"]["token_logprobs"][1:], abs=1e-5)
+        for a, b in zip(got["logprobs"]["top_logprobs"][1:], c["logprobs"]["top_logprobs"][1:], strict=True):
+            assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-5)
+        assert got["extra"][0] == c["prompt_logprobs"] and got["extra"][1:] == [None] * (len(got["extra"]) - 1)
+    ids = tok.encode(PROMPT).ids
+    ref = _log_softmax(hf, ids)
+    values = streamed[0]["logprobs"]["token_logprobs"][1 : len(ids)]
+    assert values == pytest.approx(ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist(), abs=1e-4)
+    (only,) = _streamed(client, prompt=PROMPT, echo=True, logprobs=0, max_tokens=0).values()  # the prompt alone
+    assert only["text"] == PROMPT and only["finish_reason"] == "length"
+    assert only["logprobs"]["token_logprobs"][1:] == pytest.approx(values, abs=1e-5)
+
+
 @pytest.mark.parametrize(
     "path, body, field",
     [
@@ -113,7 +159,11 @@ def test_vllm_prompt_logprobs_on_both_endpoints(tiny_server, hf, tok):
         ("/v1/completions", dict(prompt="a", prompt_logprobs=-1), "prompt_logprobs"),
         ("/v1/completions", dict(prompt="a", prompt_logprobs=21), "prompt_logprobs"),
         ("/v1/completions", dict(prompt="a", max_tokens=0), "max_tokens"),
-        ("/v1/completions", dict(prompt="a", echo=True, stream=True), "echo"),
+        (
+            "/v1/chat/completions",
+            dict(messages=[{"role": "user", "content": "a"}], prompt_logprobs=1, stream=True),
+            "prompt_logprobs",
+        ),
         ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "a"}], echo=True), "echo"),
         ("/tokenize", dict(prompt="a", messages=[{"role": "user", "content": "a"}]), "prompt"),
         ("/detokenize", dict(tokens=[5, 10**6]), "tokens"),

@@ -34,7 +34,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0.0}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1.0}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0, "stream": True}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
