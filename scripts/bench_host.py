@@ -71,12 +71,12 @@ PROMPT_LEN = 16
 # (part, owner attribute on the engine, method names tried in order): the first one present is timed.
 PARTS = (
     ("model", "stepper", ("_run",)),
-    ("stepper", "stepper", ("step",)),
+    ("stepper", "stepper", ("launch", "step")),  # a step's launch: prepare, model, finish (older code: step)
     ("schedule", "scheduler", ("schedule",)),
     ("prepare", "stepper", ("_prepare",)),
     ("metadata", "stepper", ("_attention_metadata",)),
     ("finish", "stepper", ("_finish",)),
-    ("update", "scheduler", ("update",)),
+    ("update", "scheduler", ("apply", "update")),  # the tokens applied (older code: the whole update)
 )
 
 

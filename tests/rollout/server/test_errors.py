@@ -43,7 +43,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
-    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": USER, "tools": "add"}, 400, "tools"),
     ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 10**9}, 400, "max_completion_tokens"),
 ]
