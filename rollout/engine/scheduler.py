@@ -76,7 +76,7 @@ class Scheduler:
                 continue
             # A decode inside a page of its own needs no reservation: most rows of most steps.
             mid_page = n == 1 and computed % ps and refcount(seq.block_table[computed // ps]) == 1
-            if mid_page and left == 1 and seq.request.leader is not seq and not seq.request.score_only:
+            if mid_page and left == 1 and not seq.request.pending_forks and not seq.request.score_only:
                 if seq.cacheable and (computed + 1) // ps > len(seq.page_keys):  # its page fills up
                     self.kv.register(seq, version, computed + 1)
                 plan.chunks.append(ScheduledChunk(seq, computed, 1, [seq]))  # `_chunk`'s decode, inlined
