@@ -35,8 +35,14 @@ def test_cluster_score_survives_an_actor_killed_mid_score(ray_session, qwen2):
         result = {}
         caller = threading.Thread(target=lambda: result.update(out=cluster.score([s.tolist() for s in seqs], 2)))
         caller.start()
-        wait_until(lambda: all(h.get("running", 0) > 0 for h in cluster.health()))
-        os.kill(cluster.health()[0]["pid"], signal.SIGKILL)
+        busy = []  # an actor seen scoring: the victim
+
+        def some_actor_scores() -> bool:
+            busy.extend(h["pid"] for h in cluster.health() if h.get("running", 0) > 0)
+            return bool(busy)
+
+        wait_until(some_actor_scores)
+        os.kill(busy[0], signal.SIGKILL)
         caller.join(120)
         outs = result["out"]
         assert [o.index for o in outs] == list(range(len(seqs)))
