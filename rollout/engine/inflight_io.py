@@ -31,6 +31,7 @@ class Launched(NamedTuple):
     ready: torch.cuda.Event | None  # recorded after the staging copy (CUDA); None: readable now
     version: int
     extras: RowExtras
+    needs_host: bool  # its rows' next step reads their tokens on the host: penalties, grammars, scored prompts
 
 
 class Staging:

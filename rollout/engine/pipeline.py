@@ -30,10 +30,8 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from .inflight_io import Launched
-from .penalties import has_penalties
 from .plan import StepPlan
 from .scheduler import Scheduler
-from .sequence import Sequence
 from .step_failures import RequestFailures, by_request, find_culprits
 from .stepper import Stepper
 
@@ -89,15 +87,10 @@ class StepPipeline:
             raise
 
     def settle_for_host(self) -> bool:
-        """Settle when the step in flight sampled for rows whose next step reads their
-        token history on the host (penalties count it, a grammar's matcher advances
-        with it), or that scored prompt tokens; True when it did."""
-        inflight = self.inflight
-        if inflight is None:
-            return False
-        # A scoring step too: its prompt's logprobs decide when a scored request ends.
-        scores = inflight.launched.extras.scores is not None
-        if not scores and not any(_needs_history(s) for s in inflight.plan.samplers):
+        """Settle when the next step needs the in-flight step's tokens on the host (its
+        rows' penalties count them, a grammar's matcher advances with them, or it scored
+        prompt tokens: see `Launched.needs_host`); True when it did."""
+        if self.inflight is None or not self.inflight.launched.needs_host:
             return False
         self.settle()
         return True
@@ -143,7 +136,3 @@ class StepPipeline:
         except BaseException:
             self.recover()
             raise
-
-
-def _needs_history(seq: Sequence) -> bool:
-    return seq.grammar is not None or has_penalties(seq.request.params)

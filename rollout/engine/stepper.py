@@ -204,7 +204,8 @@ class Stepper:
         tokens, logprobs, ready = self.ws.view("out_tokens", n), self.ws.view("out_logprobs", n), None
         if staged:
             tokens, logprobs, ready = self._staging.stage(tokens, logprobs)
-        return Launched(n, tokens, logprobs, ready, plan.version, extras)
+        needs_host = self._penalized is not None or self._constrained is not None or extras.scores is not None
+        return Launched(n, tokens, logprobs, ready, plan.version, extras, needs_host)
 
     def invalidate(self) -> None:
         """Forget device-side state carried between steps (after a failed step)."""
