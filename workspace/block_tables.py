@@ -80,7 +80,21 @@ class BlockTables:
 
 def decode_slots(tables: torch.Tensor, positions: torch.Tensor, page_size: int, out: torch.Tensor) -> torch.Tensor:
     """KV slot of each decode row's token, `tables[i, p // page_size] * page_size + p % page_size`
-    for `p = positions[i]`, computed on the tables' device into `out`."""
+    for `p = positions[i]`, computed on the tables' device into `out` (on the CPU in numpy:
+    a handful of small torch ops would cost more than the arithmetic)."""
+    if tables.device.type == "cpu":
+        t, p, o = tables.numpy(), positions.numpy(), out.numpy()
+        page = p // page_size
+        np.multiply(t[np.arange(len(p)), page], page_size, out=o)
+        o += p - page * page_size
+        return out
+    return device_decode_slots(tables, positions, page_size, out)
+
+
+def device_decode_slots(
+    tables: torch.Tensor, positions: torch.Tensor, page_size: int, out: torch.Tensor
+) -> torch.Tensor:
+    """`decode_slots` in torch ops on the tables' device (no host sync: the CUDA path)."""
     page = torch.div(positions, page_size, rounding_mode="floor")
     torch.mul(tables.gather(1, page[:, None]).squeeze(1), page_size, out=out)
     return out.add_(positions - page * page_size)

@@ -60,6 +60,11 @@ class PageAllocator:
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 
+    @property
+    def refcounts(self) -> list[int]:
+        """Every page's reference count, indexed by page id (the live list: read it, never write it)."""
+        return self._refcount
+
     def allocate(self) -> int:
         """A fresh page with reference count 1; evicts the oldest cached page
         when no plain free page is left. Raises `MemoryError` when none is free."""

@@ -121,7 +121,7 @@ class BackgroundDriver:
             deltas.extend((entry, d) for entry in watched if (d := entry.cursor.deltas()))
 
         try:
-            info, finished, failed = engine._one_step(pending, observe if watched else None)
+            info, finished, failed, _ = engine._one_step(pending, observe if watched else None)
         except BaseException as e:  # a failed step no request was singled out for, or a close: every waiter hears
             self._fail_all(e)
             return True

@@ -330,10 +330,7 @@ class Engine(WeightsAPI, SleepAPI):
             self._check_open()
             live = set(map(id, self.scheduler.requests))
             self.scheduler.abort([r for r in requests if id(r) in live])
-            for r in requests:
-                for s in r.samples:
-                    if not s.is_finished:
-                        s.mark_finished("abort")
+            self.scheduler.abort_unscheduled(requests)
             self._guard.notify()  # a drain may wait on these; a drive blocked on a drain wakes
 
     def _drive(self, requests: list[Request]) -> Iterator[tuple[int, RolloutOutput]]:
@@ -344,10 +341,10 @@ class Engine(WeightsAPI, SleepAPI):
                     self.scheduler.add(r)
         opened = self._iterators.open(requests)
         decode = self.codec.decode if self.codec is not None else None
-        pending = dict(enumerate(requests))
+        pending, seen = dict(enumerate(requests)), -1
         try:
             while pending:
-                info, finished, failed = self._one_step(pending)
+                info, finished, failed, seen = self._one_step(pending, seen=seen)
                 if failed:  # this caller's request made a step fail: the call fails with its cause
                     raise failed[0][1]
                 for index, result in finished:
@@ -363,13 +360,13 @@ class Engine(WeightsAPI, SleepAPI):
                     self._failures.forget(pending.values())
                     self._guard.notify()  # a pending drain may be waiting on these
 
-    def _one_step(self, pending: dict[int, Request], observe: Callable[[], None] | None = None) -> StepOutcome:
+    def _one_step(self, pending: dict[int, Request], observe: Callable | None = None, seen: int = -1) -> StepOutcome:
         """One step of whatever the scheduler plans (other callers' sequences
         included), unless `pending` is all finished: its record (None when no
-        step ran), the results of the finished ones among `pending`, copied
-        under the guard, where `observe()` runs too, and the errors of those a
-        failed step was pinned on (see `step_failures`). Logged once the guard
-        is released."""
+        step ran), the results of the finished ones among `pending` (walked only
+        if a sample ended since `seen`), copied under the guard, where `observe()`
+        runs too, and the errors of those a failed step was pinned on (see
+        `step_failures`). Logged once the guard is released."""
         info, blocked = None, False
         with self._guard.step() as version:
             self._check_open()
@@ -389,7 +386,8 @@ class Engine(WeightsAPI, SleepAPI):
                         raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
             failed = self._failures.collect(pending)
             ended = {key for key, _ in failed}
-            finished = [(i, r.result()) for i, r in pending.items() if r.is_finished and i not in ended]
+            walk, seen = pending.items() if ended or seen != self.scheduler.finishes else (), self.scheduler.finishes
+            finished = [(i, r.result()) for i, r in walk if r.is_finished and i not in ended]
             if observe is not None:
                 observe()
         if blocked:
@@ -397,4 +395,4 @@ class Engine(WeightsAPI, SleepAPI):
             self._guard.wait_for(lambda: self._closed or not self.scheduler.blocked_by_drain(), timeout=1.0)
         if info is not None:
             self._step_log.record(info)
-        return StepOutcome(info, finished, failed)
+        return StepOutcome(info, finished, failed, seen)

@@ -31,6 +31,7 @@ class StepPlan:
     version: int  # policy version the step runs under
     _samplers: list[Sequence] | None = None  # `samplers`, listed once
     _num_tokens: int | None = None  # `num_tokens`, summed once
+    pure_decode: bool = False  # set by the scheduler: every chunk decodes one token of its own sequence
     graph: bool = False  # set by the stepper: a decode graph served the step (captured, or its eager stand-in)
 
     @property

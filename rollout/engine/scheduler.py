@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from itertools import repeat
 
 from ..outputs import FINISH_REASONS
 from .kv_manager import KVManager
@@ -37,6 +38,7 @@ class Scheduler:
         self.requests: list[Request] = []  # unfinished, in arrival order
         self.draining = False  # admit no new request until in-flight ones finish
         self.stats = SchedulerStats()
+        self.finishes = 0  # samples ended, ever: a caller lists its finished requests only when it moved
         self._admissions = 0
 
     # -- queue ---------------------------------------------------------------------------
@@ -61,37 +63,43 @@ class Scheduler:
         plan = StepPlan([], [], version)
         budget = self.max_step_tokens
         preempted = False
-        ps, refcount = self.kv.page_size, self.kv.allocator.refcount
+        ps, refcounts = self.kv.page_size, self.kv.allocator.refcounts
+        chunks, running = plan.chunks, self.running
+        inline: list[Sequence] = []  # the rows planned inline below: the plan's samplers if they are all
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            computed = seq.num_computed_tokens
-            left = len(seq.token_ids) + seq.pending - computed
-            n = min(left, budget)
-            if n == 0 or seq.pending and seq.num_output_tokens + seq.pending >= seq.request.max_tokens:
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed, pending, request = seq.num_computed_tokens, seq.pending, seq.request
+            left = len(seq.token_ids) + pending - computed
+            if left == 0 or pending and seq.num_output_tokens + pending >= request.max_tokens:
                 # Its last step is in flight (a scored prompt, or a token that reaches `max_tokens`):
                 # it ends when that step is applied. (A stop token or string is seen only then,
                 # so a sample that stops computes one more token, dropped; see `apply`.)
                 i += 1
                 continue
             # A decode inside a page of its own needs no reservation: most rows of most steps.
-            mid_page = n == 1 and computed % ps and refcount(seq.block_table[computed // ps]) == 1
-            if mid_page and left == 1 and not seq.request.pending_forks and not seq.request.score_only:
+            mid_page = (left == 1 or budget == 1) and computed % ps and refcounts[seq.block_table[computed // ps]] == 1
+            if mid_page and left == 1 and not request.pending_forks and not request.score_only:
                 if seq.cacheable and (computed + 1) // ps > len(seq.page_keys):  # its page fills up
                     self.kv.register(seq, version, computed + 1)
-                plan.chunks.append(ScheduledChunk(seq, computed, 1, [seq]))  # `_chunk`'s decode, inlined
+                chunks.append(ScheduledChunk(seq, computed, 1, [seq]))  # `_chunk`'s decode, inlined
+                inline.append(seq)
                 budget -= 1
                 i += 1
-            elif mid_page or self._reserve_or_preempt(seq, n, plan):
-                plan.chunks.append(self._chunk(seq, n, version, n == left))
+                continue
+            n = min(left, budget)
+            if mid_page or self._reserve_or_preempt(seq, n, plan):
+                chunks.append(self._chunk(seq, n, version, n == left))
                 budget -= n
                 i += 1
             else:
                 preempted = True
         if not preempted and self.waiting:
             self._admit(plan, budget, version)
-        if any(c.length > 1 for c in plan.chunks):
-            plan.chunks.sort(key=lambda c: c.length == 1)  # prefills first: the layout attention expects
+        if len(inline) == len(chunks):
+            plan.pure_decode, plan._samplers = True, inline
+        elif any(c.length > 1 for c in chunks):
+            chunks.sort(key=lambda c: c.length == 1)  # prefills first: the layout attention expects
         return plan
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
@@ -172,6 +180,23 @@ class Scheduler:
         """What a launched step computes, before its tokens are known: the chunks'
         positions count as computed, the group members it samples for fork from
         their leader, and each sampled sequence has one token pending."""
+        stats = self.stats
+        if plan.pure_decode:  # the steady decode: one position and one pending token per row
+            prompt = recomputed = 0
+            for chunk in plan.chunks:
+                seq, start = chunk.seq, chunk.start
+                seq.num_computed_tokens = start + 1
+                seq.pending += 1
+                if start < len(seq.request.prompt_token_ids):
+                    prompt += 1
+                if start < seq.kv_high_water:
+                    recomputed += 1
+                else:
+                    seq.kv_high_water = start + 1
+            stats.computed_tokens += len(plan.chunks)
+            stats.prompt_tokens += prompt
+            stats.recomputed_tokens += recomputed
+            return
         computed = prompt = recomputed = 0
         for chunk in plan.chunks:
             seq, start, length = chunk.seq, chunk.start, chunk.length
@@ -189,7 +214,6 @@ class Scheduler:
                 for s in chunk.samplers:
                     if s is not seq:
                         self._fork(seq, s)
-        stats = self.stats
         stats.computed_tokens += computed
         stats.prompt_tokens += prompt
         stats.recomputed_tokens += recomputed
@@ -210,12 +234,14 @@ class Scheduler:
                 request.prompt_scores.finish(result.version)
                 if request.score_only and not seq.is_finished:
                     finished.append((seq, "stop"))
-        version, top = result.version, result.top
-        for r, (s, token) in enumerate(zip(plan.samplers, result.tokens, strict=True)):  # stop checks inlined
+        version, tokens, finished_ = result.version, result.tokens, SeqStatus.FINISHED
+        tops = repeat(None, len(tokens)) if result.top is None else result.top
+        # Stop checks inlined: most rows go on.
+        for s, token, logprob, top in zip(plan.samplers, tokens, result.logprobs, tops, strict=True):
             s.pending -= 1
-            if s.status is SeqStatus.FINISHED:
+            if s.status is finished_:
                 continue
-            s.append(token, result.logprobs[r], version, None if top is None else top[r])
+            s.append(token, logprob, version, top)
             request = s.request
             if (
                 token in request.stop_token_ids
@@ -277,6 +303,7 @@ class Scheduler:
                 self.kv.leases.release(slot)
             self.kv.free(seq)
         seq.mark_finished(reason)
+        self.finishes += 1
         request = seq.request
         if request.leader is seq and request.pending_forks:
             # The leader is gone before its prompt was shared: the next pending sample leads.
@@ -352,3 +379,12 @@ class Scheduler:
             for s in request.samples:
                 if not s.is_finished:
                     self.finish(s, "abort")
+
+    def abort_unscheduled(self, requests: list[Request]) -> None:
+        """Mark "abort" the unfinished samples of `requests` the scheduler does not hold
+        (not added yet, or the rest of an `abort`): nothing of theirs is queued or holds KV."""
+        for request in requests:
+            for s in request.samples:
+                if not s.is_finished:
+                    s.mark_finished("abort")
+                    self.finishes += 1

@@ -60,8 +60,11 @@ def attention_metadata(
         width = max(map(_start, decodes)) // ps + 1  # pages up to each row's token
         tables = ws.tables.write([c.seq.block_table for c in decodes], width)
         end = num_prefill_tokens + num_decodes
-        positions = ws.view("positions", end)[num_prefill_tokens:]
-        decode_slots(tables, positions, ps, ws.view("slot_mapping", end)[num_prefill_tokens:])
+        positions, slots = ws.view("positions", end), ws.view("slot_mapping", end)
+        if p:
+            decode_slots(tables, positions[num_prefill_tokens:], ps, slots[num_prefill_tokens:])
+        else:
+            decode_slots(tables, positions, ps, slots)
         context_lens = ws.view("context_lens", num_decodes)
     meta = AttentionMetadata(
         slot_mapping=ws.view("slot_mapping", num_prefill_tokens + num_decodes),

@@ -19,6 +19,7 @@ device is fed that token from the last step's sampled tokens, on the device
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 import torch
@@ -37,6 +38,8 @@ from .sampler import MODE_CODES, SAMPLING_FIELDS, SamplerFlags, SamplingBatch, s
 from .scoring import ScoreSpan, SpanScores, compute_scores, score_spans
 from .sequence import Sequence
 from .step_metadata import attention_metadata
+
+_seq_id = attrgetter("seq_id")
 
 
 class RowExtras(NamedTuple):
@@ -143,8 +146,8 @@ class Stepper:
         samplers = plan.samplers
         num_rows = len(samplers)
         signature, spans = None, []
-        if _is_pure_decode(plan.chunks):
-            signature = TaskSignature(plan.version, tuple(s.seq_id for s in samplers))
+        if plan.pure_decode or _is_pure_decode(plan.chunks):
+            signature = TaskSignature(plan.version, tuple(map(_seq_id, samplers)))
             if not self.cache.prepare(signature, lambda: self._decode_rows(plan.chunks)):
                 self._read_batch(samplers)  # a hit keeps the last batch's facts, and its fed tokens
                 feed_in_flight(self.ws, plan.chunks, self._last_samplers)

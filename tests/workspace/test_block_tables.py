@@ -10,6 +10,7 @@ import torch
 from rollout.engine.decode_graphs import DecodeGraphs
 from rollout.engine.sampler import SamplerFlags
 from workspace import InferenceWorkspace, WorkspaceShape, decode_slots
+from workspace.block_tables import device_decode_slots
 
 
 def test_only_changed_rows_are_written_and_padding_is_zero():
@@ -48,9 +49,18 @@ def test_rows_padded_by_a_decode_graph_are_written_again():
     assert ws.tables.write(tables, 2)[0].tolist() == [1, 0]
 
 
-def test_decode_slots_from_positions_and_tables():
+@pytest.mark.parametrize("slots", [decode_slots, device_decode_slots], ids=["host", "torch_ops"])
+def test_decode_slots_from_positions_and_tables(slots):
     tables = torch.tensor([[3, 1, 0], [7, 8, 0], [2, 4, 6]])
     positions = torch.tensor([17, 4, 40])
     out = torch.empty(3, dtype=torch.int64)
-    decode_slots(tables, positions, 16, out)
+    slots(tables, positions, 16, out)
     assert out.tolist() == [1 * 16 + 1, 7 * 16 + 4, 6 * 16 + 8]
+    # A strided view of a wider buffer, as the workspace hands out, into a slice of a larger output.
+    g = torch.Generator().manual_seed(0)
+    buffer = torch.randint(0, 100, (8, 6), generator=g)
+    positions = torch.randint(0, 4 * 16, (5,), generator=g)
+    out = torch.full((7,), -1)
+    slots(buffer[:5, :4], positions, 16, out[2:])
+    want = [int(buffer[i, p // 16]) * 16 + p % 16 for i, p in enumerate(positions.tolist())]
+    assert out[2:].tolist() == want and out[:2].tolist() == [-1, -1]
