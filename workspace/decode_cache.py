@@ -95,9 +95,15 @@ class DecodeCache:
         num_rows = signature.num_rows
         if hit:
             self.hits += 1
-            self.ws.view("input_ids", num_rows).copy_(self.ws.view("out_tokens", num_rows))
-            for name in ADVANCED:
-                self.ws.view(name, num_rows).add_(1)
+            tokens = self.ws.host_view("input_ids", num_rows)
+            if tokens is not None:  # the CPU: the same in numpy, on the same memory
+                tokens[:] = self.ws.host_view("out_tokens", num_rows)
+                for name in ADVANCED:
+                    self.ws.host_view(name, num_rows)[:] += 1
+            else:
+                self.ws.view("input_ids", num_rows).copy_(self.ws.view("out_tokens", num_rows))
+                for name in ADVANCED:
+                    self.ws.view(name, num_rows).add_(1)
             if self.debug:
                 self._check(build())
             return True

@@ -94,6 +94,12 @@ class InferenceWorkspace:
         """The first `n` entries (rows) of device buffer `name`."""
         return self._dev[name][:n]
 
+    def host_view(self, name: str, n: int) -> np.ndarray | None:
+        """The first `n` entries of buffer `name` as a numpy array sharing its memory, where
+        the device buffer is host memory (the CPU); None elsewhere. On the CPU a few numpy
+        operations on small per-step buffers cost less than as many torch ops."""
+        return None if self._separate_host or self.device.type != "cpu" else self._host_np[name][:n]
+
     def upload(self, name: str, values: Sequence[int] | Sequence[float] | np.ndarray) -> torch.Tensor:
         """Write `values` into the head of buffer `name` and return that device slice."""
         n = len(values)

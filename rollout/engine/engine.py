@@ -377,7 +377,7 @@ class Engine(WeightsAPI, SleepAPI):
                 with self._pipeline.recovering():
                     settled = self._pipeline.settle_for_host()
                     plan = self.scheduler.schedule(version)
-                    if plan.chunks:  # `run` is False when the step failed on some requests' rows: they ended
+                    if not plan.is_empty:  # `run` is False when the step failed on some requests' rows: they ended
                         if self._pipeline.run(plan, self._failures):
                             info = StepInfo.read(started, plan, self.scheduler)
                     elif self._pipeline.inflight is not None:

@@ -24,27 +24,59 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class StepPlan:
-    """What one step computes."""
+    """What one step computes: its chunks, in schedule order.
 
-    chunks: list[ScheduledChunk]  # in schedule order; not changed once the plan is read (see the caches below)
+    The scheduler plans a pure decode (every row one token of its own
+    sequence, which samples it: the steady state) as two lists, `decodes` and
+    `starts`, which the hot paths read; its chunks are made only if something
+    asks for them (a cache miss, a failed step). `add` makes a plan mixed.
+    """
+
+    _chunks: list[ScheduledChunk] | None  # None: a pure decode's, made from `decodes` when first read
     page_copies: list[tuple[int, int]]  # (src, dst) copy-on-write page copies to run first
     version: int  # policy version the step runs under
+    decodes: list[Sequence] | None = None  # a pure decode's rows (and samplers), in order; None: mixed
+    starts: list[int] | None = None  # a pure decode's positions, one per row
     _samplers: list[Sequence] | None = None  # `samplers`, listed once
     _num_tokens: int | None = None  # `num_tokens`, summed once
-    pure_decode: bool = False  # set by the scheduler: every chunk decodes one token of its own sequence
     graph: bool = False  # set by the stepper: a decode graph served the step (captured, or its eager stand-in)
+
+    @classmethod
+    def decode(cls, version: int) -> StepPlan:
+        """An empty pure decode, to which the scheduler appends rows."""
+        return cls(None, [], version, [], [])
+
+    @property
+    def pure_decode(self) -> bool:
+        return self.decodes is not None
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        """Not changed once the plan is read (see the caches below), but by `add` while it is planned."""
+        if self._chunks is None:
+            self._chunks = [ScheduledChunk(s, p, 1, [s]) for s, p in zip(self.decodes, self.starts, strict=True)]
+        return self._chunks
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.decodes if self._chunks is None else self._chunks)
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        """Append `chunk` (while planning): the plan is mixed from now on."""
+        self.chunks.append(chunk)
+        self.decodes = self.starts = self._samplers = self._num_tokens = None
 
     @property
     def num_tokens(self) -> int:
         if self._num_tokens is None:
-            self._num_tokens = sum(c.length for c in self.chunks)
+            self._num_tokens = len(self.decodes) if self.decodes is not None else sum(c.length for c in self.chunks)
         return self._num_tokens
 
     @property
     def samplers(self) -> list[Sequence]:
         """The sequences that sample a token, in row order (listed at the first read)."""
         if self._samplers is None:
-            self._samplers = [s for c in self.chunks for s in c.samplers]
+            self._samplers = self.decodes if self.decodes is not None else [s for c in self.chunks for s in c.samplers]
         return self._samplers
 
 

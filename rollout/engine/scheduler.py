@@ -60,12 +60,11 @@ class Scheduler:
 
     # -- schedule ------------------------------------------------------------------------
     def schedule(self, version: int) -> StepPlan:
-        plan = StepPlan([], [], version)
+        plan = StepPlan.decode(version)  # mixed once a row is not a decode of its own (`StepPlan.add`)
         budget = self.max_step_tokens
         preempted = False
         ps, refcounts = self.kv.page_size, self.kv.allocator.refcounts
-        chunks, running = plan.chunks, self.running
-        inline: list[Sequence] = []  # the rows planned inline below: the plan's samplers if they are all
+        running = self.running
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -77,29 +76,25 @@ class Scheduler:
                 # so a sample that stops computes one more token, dropped; see `apply`.)
                 i += 1
                 continue
+            n = left if left < budget else budget
             # A decode inside a page of its own needs no reservation: most rows of most steps.
-            mid_page = (left == 1 or budget == 1) and computed % ps and refcounts[seq.block_table[computed // ps]] == 1
-            if mid_page and left == 1 and not request.pending_forks and not request.score_only:
+            mid_page = n == 1 and computed % ps and refcounts[seq.block_table[computed // ps]] == 1
+            if not (mid_page or self._reserve_or_preempt(seq, n, plan)):
+                preempted = True
+                continue
+            i += 1
+            budget -= n
+            if n == left == 1 and plan.decodes is not None and not request.pending_forks and not request.score_only:
                 if seq.cacheable and (computed + 1) // ps > len(seq.page_keys):  # its page fills up
                     self.kv.register(seq, version, computed + 1)
-                chunks.append(ScheduledChunk(seq, computed, 1, [seq]))  # `_chunk`'s decode, inlined
-                inline.append(seq)
-                budget -= 1
-                i += 1
-                continue
-            n = min(left, budget)
-            if mid_page or self._reserve_or_preempt(seq, n, plan):
-                chunks.append(self._chunk(seq, n, version, n == left))
-                budget -= n
-                i += 1
+                plan.decodes.append(seq)  # `_chunk`'s decode, inlined
+                plan.starts.append(computed)
             else:
-                preempted = True
+                plan.add(self._chunk(seq, n, version, n == left))
         if not preempted and self.waiting:
             self._admit(plan, budget, version)
-        if len(inline) == len(chunks):
-            plan.pure_decode, plan._samplers = True, inline
-        elif any(c.length > 1 for c in chunks):
-            chunks.sort(key=lambda c: c.length == 1)  # prefills first: the layout attention expects
+        if not plan.pure_decode and any(c.length > 1 for c in plan.chunks):
+            plan.chunks.sort(key=lambda c: c.length == 1)  # prefills first: the layout attention expects
         return plan
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
@@ -144,7 +139,7 @@ class Scheduler:
             request.started = True
             used += 1 + forks
             self.running.append(seq)
-            plan.chunks.append(self._chunk(seq, n, version, n == seq.num_uncomputed_tokens))
+            plan.add(self._chunk(seq, n, version, n == seq.num_uncomputed_tokens))
             budget -= n
 
     def _match_prefix(self, seq: Sequence, version: int) -> int:
@@ -183,8 +178,7 @@ class Scheduler:
         stats = self.stats
         if plan.pure_decode:  # the steady decode: one position and one pending token per row
             prompt = recomputed = 0
-            for chunk in plan.chunks:
-                seq, start = chunk.seq, chunk.start
+            for seq, start in zip(plan.decodes, plan.starts, strict=True):
                 seq.num_computed_tokens = start + 1
                 seq.pending += 1
                 if start < len(seq.request.prompt_token_ids):
@@ -193,7 +187,7 @@ class Scheduler:
                     recomputed += 1
                 else:
                     seq.kv_high_water = start + 1
-            stats.computed_tokens += len(plan.chunks)
+            stats.computed_tokens += len(plan.decodes)
             stats.prompt_tokens += prompt
             stats.recomputed_tokens += recomputed
             return
@@ -227,11 +221,15 @@ class Scheduler:
         for scores in result.scores or ():
             scores.seq.request.prompt_scores.record(scores, result.version)
         finished = []
-        for chunk in plan.chunks:
-            seq, request = chunk.seq, chunk.seq.request
-            end = chunk.start + chunk.length
-            if request.prompt_scores is not None and end >= seq.num_prompt_tokens and not request.prompt_scores.done:
-                request.prompt_scores.finish(result.version)
+        if plan.pure_decode:
+            rows = zip(plan.decodes, plan.starts, strict=True)
+        else:
+            rows = ((c.seq, c.start + c.length - 1) for c in plan.chunks)
+        for seq, last in rows:  # the position each row computed last
+            request = seq.request
+            scores = request.prompt_scores
+            if scores is not None and last >= seq.num_prompt_tokens - 1 and not scores.done:
+                scores.finish(result.version)
                 if request.score_only and not seq.is_finished:
                     finished.append((seq, "stop"))
         version, tokens, finished_ = result.version, result.tokens, SeqStatus.FINISHED

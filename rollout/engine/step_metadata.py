@@ -14,7 +14,6 @@ from the host, row by row: the reference that `check` compares against
 from __future__ import annotations
 
 from collections.abc import Callable
-from operator import attrgetter
 
 import numpy as np
 
@@ -22,62 +21,63 @@ from workspace import DecodeCacheMismatch, InferenceWorkspace, decode_slots
 
 from ..model.attention import AttentionMetadata, PrefillSpan
 from .inflight_io import to_device
-from .plan import ScheduledChunk
-
-_start = attrgetter("start")
+from .plan import ScheduledChunk, StepPlan
 
 
 def attention_metadata(
     ws: InferenceWorkspace,
-    chunks: list[ScheduledChunk],
+    plan: StepPlan,
     page_size: int,
     decode_kernel: Callable[..., None] | None = None,
     prefill_kernel: Callable[..., None] | None = None,
     check: bool = False,
 ) -> AttentionMetadata:
-    """The metadata of the step of `chunks`, whose input positions the workspace
+    """The metadata of the step of `plan`, whose input positions the workspace
     holds; with `check`, compared with `host_metadata` (raises `DecodeCacheMismatch`)."""
     ps = page_size
-    p = 0
-    while p < len(chunks) and chunks[p].length != 1:  # prefill chunks come first
-        p += 1
     prefills: list[PrefillSpan] = []
     num_prefill_tokens = 0
-    if p:
-        slots = []
-        for c in chunks[:p]:
-            table = np.asarray(c.seq.block_table[: -(-(c.start + c.length) // ps)], dtype=np.int64)
-            positions = np.arange(c.start, c.start + c.length)
-            slots.append(table[positions // ps] * ps + positions % ps)
-            block = to_device(table, ws.device)  # pinned on CUDA: no wait for the step in flight
-            prefills.append(PrefillSpan(num_prefill_tokens, c.length, c.start + c.length, block))
-            num_prefill_tokens += c.length
-        ws.upload("slot_mapping", np.concatenate(slots))
-    decodes = chunks[p:] if p else chunks
-    num_decodes = len(decodes)
-    tables = context_lens = None
+    if plan.pure_decode:  # the steady decode reads the plan's rows, not chunks
+        tables, starts = [s.block_table for s in plan.decodes], plan.starts
+    else:
+        chunks = plan.chunks
+        p = 0
+        while p < len(chunks) and chunks[p].length != 1:  # prefill chunks come first
+            p += 1
+        if p:
+            slots = []
+            for c in chunks[:p]:
+                table = np.asarray(c.seq.block_table[: -(-(c.start + c.length) // ps)], dtype=np.int64)
+                positions = np.arange(c.start, c.start + c.length)
+                slots.append(table[positions // ps] * ps + positions % ps)
+                block = to_device(table, ws.device)  # pinned on CUDA: no wait for the step in flight
+                prefills.append(PrefillSpan(num_prefill_tokens, c.length, c.start + c.length, block))
+                num_prefill_tokens += c.length
+            ws.upload("slot_mapping", np.concatenate(slots))
+        tables, starts = [c.seq.block_table for c in chunks[p:]], [c.start for c in chunks[p:]]
+    num_decodes = len(tables)
+    decode_tables = context_lens = None
     if num_decodes:
-        width = max(map(_start, decodes)) // ps + 1  # pages up to each row's token
-        tables = ws.tables.write([c.seq.block_table for c in decodes], width)
+        width = max(starts) // ps + 1  # pages up to each row's token
+        decode_tables = ws.tables.write(tables, width)
         end = num_prefill_tokens + num_decodes
         positions, slots = ws.view("positions", end), ws.view("slot_mapping", end)
-        if p:
-            decode_slots(tables, positions[num_prefill_tokens:], ps, slots[num_prefill_tokens:])
-        else:
-            decode_slots(tables, positions, ps, slots)
+        if num_prefill_tokens:
+            positions, slots = positions[num_prefill_tokens:], slots[num_prefill_tokens:]
+        decode_slots(decode_tables, positions, ps, slots)
         context_lens = ws.view("context_lens", num_decodes)
     meta = AttentionMetadata(
         slot_mapping=ws.view("slot_mapping", num_prefill_tokens + num_decodes),
         prefills=prefills,
         num_prefill_tokens=num_prefill_tokens,
         num_decodes=num_decodes,
-        decode_block_tables=tables,
+        decode_block_tables=decode_tables,
         decode_context_lens=context_lens,
         decode_kernel=decode_kernel,
         prefill_kernel=prefill_kernel,
     )
     if check:
-        _check(meta, host_metadata(chunks, ps))
+        _check(meta, host_metadata(plan.chunks, ps))
     return meta
 
 

@@ -157,7 +157,7 @@ class Stepper:
             feed_in_flight(self.ws, plan.chunks, self._last_samplers)
             self._read_batch(samplers)
             spans = score_spans(plan.chunks)
-        meta = self._attention_metadata(plan.chunks)
+        meta = self._attention_metadata(plan)
         self._staging.uploaded()
         graph = None  # a graph takes no penalties or grammars (they change every step)
         eager = self._penalized is not None or self._constrained is not None
@@ -363,11 +363,11 @@ class Stepper:
             self.ws.upload(name, values)
         return len(logit_rows)
 
-    def _attention_metadata(self, chunks: list[ScheduledChunk]) -> AttentionMetadata:
+    def _attention_metadata(self, plan: StepPlan) -> AttentionMetadata:
         """Slots and decode block tables on the device (see `step_metadata`); checked against
         the host-built ones in the decode cache's debug mode."""
         kernels = (self.decode_kernel, self.prefill_kernel)
-        return attention_metadata(self.ws, chunks, self.page_size, *kernels, check=self.cache.debug)
+        return attention_metadata(self.ws, plan, self.page_size, *kernels, check=self.cache.debug)
 
     def _sampling_batch(self, n: int, flags: SamplerFlags) -> SamplingBatch:
         return SamplingBatch(**{name: self.ws.view(name, n) for name in SAMPLING_FIELDS}, flags=flags)
