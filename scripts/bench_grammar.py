@@ -12,7 +12,10 @@ With `--engine`, the engine's constrained decoding against the same batch
 unconstrained, alternating, in the same run: SmolLM2-135M-Instruct
 (`Engine(path, device="cpu")`), `--prompts` chat prompts x `--n` samples of
 `--tokens` tokens (eos ignored unconstrained; constrained, a sample ends when
-its JSON object does, so tokens/s is what is compared), the JSON schema above.
+its JSON object does, so tokens/s is what is compared: every sampled token counts,
+the stop token included), the JSON schema above. Each round runs both, their order
+alternating between rounds; the ratio of the medians and each round's ratio are printed
+(on a shared host the load moves less within a round than across the run).
 
     python -m scripts.bench_grammar --engine [--prompts 8] [--n 4] [--tokens 64] [--repeats 3]
 """
@@ -176,16 +179,18 @@ def engine_overhead(args) -> None:
     }
     engine.generate(prompts[:1], runs["json_schema"])  # warm-up: kernels, the tokenizer's grammar info
     rates: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.repeats):
-        for name, params in runs.items():
+    for r in range(args.repeats):
+        for name in list(runs)[:: 1 if r % 2 == 0 else -1]:  # free first, then constrained first: no side always second
             start = time.perf_counter()
-            outputs = engine.generate(prompts, params)
+            outputs = engine.generate(prompts, runs[name])
             tokens = sum(len(s.token_ids) for o in outputs for s in o.samples)
             rates[name].append(tokens / (time.perf_counter() - start))
             print(f"  {name:11s} {tokens} tokens, {rates[name][-1]:.1f} tok/s", flush=True)
     engine.close()
     free, constrained = statistics.median(rates["free"]), statistics.median(rates["json_schema"])
+    rounds = [c / f for f, c in zip(rates["free"], rates["json_schema"], strict=True)]
     print(f"engine: free {free:.1f} tok/s, json_schema {constrained:.1f} tok/s: {constrained / free:.3f}x")
+    print(f"per round (adjacent runs): {' '.join(f'{x:.3f}' for x in rounds)}; median {statistics.median(rounds):.3f}x")
 
 
 def main() -> None:
