@@ -124,7 +124,7 @@ def _first_line(e: Exception) -> str:
 
 
 class GrammarState:
-    """One sample's matcher: which tokens may come next, advanced token by token."""
+    """One sample's matcher: which tokens may come next (`GrammarMasks` reads it), advanced token by token."""
 
     __slots__ = ("matcher", "vocab_size")
 
@@ -141,10 +141,6 @@ class GrammarState:
 
     def reset(self) -> None:
         self.matcher.reset()
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Row `row` of packed int32 `bitmask`: the tokens allowed next."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
