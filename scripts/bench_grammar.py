@@ -12,9 +12,15 @@ With `--engine`, the engine's constrained decoding against the same batch
 unconstrained, alternating, in the same run: SmolLM2-135M-Instruct
 (`Engine(path, device="cpu")`), `--prompts` chat prompts x `--n` samples of
 `--tokens` tokens (eos ignored unconstrained; constrained, a sample ends when
-its JSON object does, so tokens/s is what is compared), the JSON schema above.
+its JSON object does, so tokens/s is what is compared: every sampled token counts,
+the stop token included), the JSON schema above. Each round runs both, their order
+alternating between rounds; the ratio of the medians and each round's ratio are printed
+(on a shared host the load moves less within a round than across the run), in
+tokens per second and per CPU second of the process: with `--threads 1` the latter
+is the stepping thread's work, which other processes on a loaded host slow far
+less than they stretch its wall-clock time.
 
-    python -m scripts.bench_grammar --engine [--prompts 8] [--n 4] [--tokens 64] [--repeats 3]
+    python -m scripts.bench_grammar --engine [--prompts 8] [--n 4] [--tokens 64] [--repeats 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -176,16 +182,26 @@ def engine_overhead(args) -> None:
     }
     engine.generate(prompts[:1], runs["json_schema"])  # warm-up: kernels, the tokenizer's grammar info
     rates: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.repeats):
-        for name, params in runs.items():
-            start = time.perf_counter()
-            outputs = engine.generate(prompts, params)
+    cpu_rates: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(args.repeats):
+        for name in list(runs)[:: 1 if r % 2 == 0 else -1]:  # free first, then constrained first: no side always second
+            start, cpu = time.perf_counter(), time.process_time()
+            outputs = engine.generate(prompts, runs[name])
             tokens = sum(len(s.token_ids) for o in outputs for s in o.samples)
             rates[name].append(tokens / (time.perf_counter() - start))
-            print(f"  {name:11s} {tokens} tokens, {rates[name][-1]:.1f} tok/s", flush=True)
+            cpu_rates[name].append(tokens / (time.process_time() - cpu))
+            print(
+                f"  {name:11s} {tokens} tokens, {rates[name][-1]:.1f} tok/s, {cpu_rates[name][-1]:.1f} tok/cpu-s",
+                flush=True,
+            )
     engine.close()
-    free, constrained = statistics.median(rates["free"]), statistics.median(rates["json_schema"])
-    print(f"engine: free {free:.1f} tok/s, json_schema {constrained:.1f} tok/s: {constrained / free:.3f}x")
+    for unit, measured in (("tok/s", rates), ("tok/cpu-s", cpu_rates)):
+        free, constrained = statistics.median(measured["free"]), statistics.median(measured["json_schema"])
+        rounds = [c / f for f, c in zip(measured["free"], measured["json_schema"], strict=True)]
+        print(
+            f"engine: free {free:.1f} {unit}, json_schema {constrained:.1f} {unit}: {constrained / free:.3f}x "
+            f"(per round {' '.join(f'{x:.3f}' for x in rounds)}; median {statistics.median(rounds):.3f}x)"
+        )
 
 
 def main() -> None:
@@ -195,7 +211,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.engine:
         print(f"# {describe()}")
         engine_overhead(args)

@@ -8,7 +8,7 @@ engine's tokenizer (cached by the library), and each sample gets its own
 matcher, kept on its `Sequence` (`Sequence.grammar`) and advanced by
 `Sequence.append` with every token it samples, reset with its outputs.
 
-Each step the stepper masks the constrained rows' logits (`constrain`):
+Each step the stepper masks the constrained rows' logits (`GrammarMasks`):
 tokens the grammar does not allow next get -inf, after penalties and before
 temperature and filters, on every sampler path (a constrained row never runs
 from a decode graph, as its mask changes every step). So the "processed" and
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..structured import StructuredOutputs
+from .inflight_io import to_device
 
 _COMPILERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -123,7 +124,7 @@ def _first_line(e: Exception) -> str:
 
 
 class GrammarState:
-    """One sample's matcher: which tokens may come next, advanced token by token."""
+    """One sample's matcher: which tokens may come next (`GrammarMasks` reads it), advanced token by token."""
 
     __slots__ = ("matcher", "vocab_size")
 
@@ -141,10 +142,6 @@ class GrammarState:
     def reset(self) -> None:
         self.matcher.reset()
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Row `row` of packed int32 `bitmask`: the tokens allowed next."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """bool `[R, vocab]` from packed int32 `bitmask` `[R, ceil(vocab / 32)]`: bit `v % 32` of word `v // 32`."""
@@ -158,24 +155,96 @@ def _bit(b: int) -> int:
     return (1 << b) - (1 << 32 if b == 31 else 0)
 
 
-def constrain(samplers: list, logits: torch.Tensor, reported: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's logits `[N, V]` with each constrained row's disallowed tokens at -inf
-    (to sample from), and the logits its logprobs are reported in: the same, but for
-    rows reporting "raw" logprobs, which keep `reported`'s (or the unmasked) row. A
-    grammar that no token of the vocabulary continues allows the request's stop tokens,
-    which end the sample (its text is then not complete)."""
-    rows = [i for i, s in enumerate(samplers) if s.grammar is not None]
-    vocab = logits.shape[-1]
-    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
-    for j, i in enumerate(rows):
-        samplers[i].grammar.fill(bitmask, j)
-    for j in (bitmask == 0).all(dim=1).nonzero().flatten().tolist():  # the vocabulary cannot go on: stop
-        for t in samplers[rows[j]].request.stop_token_ids:
-            bitmask[j, t // 32] |= _bit(t % 32)
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    allowed = allowed_tokens(bitmask.to(logits.device), vocab)
-    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
-    base = logits if reported is None else reported
-    raw = torch.tensor([samplers[i].request.params.logprobs_mode == "raw" for i in rows], device=logits.device)
-    shown = torch.where(raw[:, None], base.index_select(0, index), masked)
-    return logits.index_copy(0, index, masked), base.index_copy(0, index, shown)
+class GrammarMasks:
+    """One stepper's grammar masks. A step with constrained rows fills their rows of one
+    packed int32 bitmask `[rows, ceil(vocab / 32)]` (allocated once, grown with the
+    batch; pinned for a CUDA engine) in one call of xgrammar's batch matcher, then sets
+    those rows' disallowed tokens to -inf in the logits, in place (`mask_rows`): no copy
+    of the step's logits, unless a constrained row reports "raw" logprobs. Unconstrained
+    rows are neither filled nor touched."""
+
+    def __init__(self) -> None:
+        self._bitmask: torch.Tensor | None = None  # host, int32 [rows, words]
+        self._device_bitmask: torch.Tensor | None = None  # its copy on a non-CPU device
+        self._batch = None  # xgrammar's BatchGrammarMatcher, made on first use
+
+    def apply(
+        self, samplers: list, logits: torch.Tensor, reported: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Mask the constrained rows of the step's float32 logits `[N, V]` (of the
+        sampler rows `samplers`) in place; return them, and the logits each row's
+        logprobs are reported in: `reported` (the penalties', when not None) with
+        the constrained rows masked but those reporting "raw" logprobs, which keep
+        their unmasked row; None where that is `logits` itself (no penalties, no
+        constrained "raw" row). A grammar that no token of the vocabulary continues
+        allows the request's stop tokens, which end the sample (its text is then
+        not complete)."""
+        rows = [i for i, s in enumerate(samplers) if s.grammar is not None]
+        bitmask = self._fill(samplers, rows, logits.shape[-1], logits.device)
+        raw = {i for i in rows if samplers[i].request.params.logprobs_mode == "raw"}
+        if raw and reported is None:  # those rows are reported unmasked
+            reported = logits.clone()
+        mask_rows(logits, bitmask, rows)
+        if reported is not None:
+            mask_rows(reported, bitmask, [i for i in rows if i not in raw])
+        return logits, reported
+
+    def _fill(self, samplers: list, rows: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+        """The bitmask with each constrained sampler `i`'s row `i` filled, on `device`."""
+        import xgrammar as xgr
+
+        words, cuda = (vocab + 31) // 32, device.type == "cuda"
+        host = self._bitmask
+        if host is None or host.shape[0] < len(samplers) or host.shape[1] != words or host.is_pinned() != cuda:
+            host = self._bitmask = torch.empty((max(len(samplers), 8), words), dtype=torch.int32, pin_memory=cuda)
+            self._device_bitmask = None
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher()
+        self._batch.batch_fill_next_token_bitmask([samplers[i].grammar.matcher for i in rows], host, rows)
+        dead = (host.index_select(0, torch.tensor(rows)) == 0).all(dim=1)
+        for j in dead.nonzero().flatten().tolist():  # the vocabulary cannot go on: stop
+            for t in samplers[rows[j]].request.stop_token_ids:
+                host[rows[j], t // 32] |= _bit(t % 32)
+        if device.type == "cpu":
+            return host
+        if self._device_bitmask is None or self._device_bitmask.device != device:
+            self._device_bitmask = torch.empty_like(host, device=device)
+        # Without waiting: the host rewrites `host` only at a later constrained step, which is
+        # planned after this one's tokens were read back (its matchers advance with them).
+        return self._device_bitmask.copy_(host, non_blocking=cuda)
+
+
+def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], torch_ops: bool = False) -> None:
+    """-inf in place at the tokens that packed int32 `bitmask` (on `logits`' device; bit
+    `v % 32` of word `v // 32` set: token `v` allowed) disallows, in rows `rows` of float32
+    `logits` `[N, V]`; the other rows untouched. Off the CPU (or with `torch_ops`) by torch
+    ops on those rows."""
+    if not rows:
+        return
+    vocab, index = logits.shape[-1], to_device(rows, logits.device)
+    words = bitmask.index_select(0, index)
+    if torch_ops or logits.device.type != "cpu":
+        allowed = allowed_tokens(words, vocab)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+        return
+    # xgrammar's CPU kernel skips a word that allows all its 32 tokens but tests every bit of
+    # the others: fast where the grammar forbids a few tokens (inside a string), slow where
+    # it allows a few (between a JSON object's keys and values). Those rows add each byte's
+    # 8 logits' 0 or -inf, looked up by the byte's value: one pass whatever the mask.
+    few = ((words != -1).sum(dim=1) <= words.shape[1] // 16).tolist()
+    sparse = [r for r, f in zip(rows, few, strict=True) if f]
+    if sparse:
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=sparse, backend="cpu")
+    if len(sparse) < len(rows):
+        dense = [j for j, f in enumerate(few) if not f]
+        masked_bytes = words[dense].view(torch.uint8).to(torch.int64)  # little-endian: byte k, bits 8k..8k+7
+        add = torch.nn.functional.embedding(masked_bytes, _BYTE_MASKS).view(len(dense), -1)[:, :vocab]
+        logits.index_add_(0, index[dense], add)
+
+
+# Row `b`: the 8 tokens of a mask byte of value `b`, 0.0 where its bit is set (allowed), else -inf.
+_BYTE_MASKS = torch.where(
+    (torch.arange(256)[:, None] >> torch.arange(8)) & 1 == 1, torch.tensor(0.0), torch.tensor(float("-inf"))
+)

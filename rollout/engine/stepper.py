@@ -30,7 +30,7 @@ from ..kernels.layer_ops import LayerOps
 from ..model.attention import AttentionMetadata
 from ..model.decoder import Model
 from .decode_graphs import DecodeGraphs, GraphKey
-from .grammar import constrain
+from .grammar import GrammarMasks
 from .inflight_io import Launched, Staging, feed_in_flight, to_device
 from .penalties import StepPenalties, has_penalties
 from .plan import ScheduledChunk, StepPlan, StepResult, TopLogprobs
@@ -103,6 +103,7 @@ class Stepper:
         self._flags = SamplerFlags(False, False, False)  # of the batch whose inputs the workspace holds
         self._penalized: list[Sequence] | None = None  # this step's rows when some have penalties
         self._constrained: list[Sequence] | None = None  # this step's rows when some have grammars
+        self._masks = GrammarMasks()  # their bitmask, kept between steps
         self._reported: torch.Tensor | None = None  # with penalties: the logits each row's logprobs are reported in
         self._top: list[int] | None = None  # its rows' top_logprobs counts, when some row asks
         self._last_samplers: list[Sequence] = []  # the rows of the last launched step's out buffers
@@ -263,7 +264,7 @@ class Stepper:
             penalties = StepPenalties.of(self._penalized, logits.shape[-1], logits.device)
             logits, self._reported = penalties.apply(logits)
         if self._constrained is not None:  # likewise: each constrained row's grammar masks it
-            logits, self._reported = constrain(self._constrained, logits, self._reported)
+            logits, self._reported = self._masks.apply(self._constrained, logits, self._reported)
         if self.device_sample is not None:
             self.device_sample(logits, batch, tokens, logprobs, ws.view("out_covered", num_rows))
         else:
