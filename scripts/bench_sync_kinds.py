@@ -172,7 +172,7 @@ def bench_phases(path: Path, trainer: Trainer, lr: float, pushes: int) -> dict:
     from rollout.cluster.wire import Manifest
     from rollout.cluster.wire_receive import assemble
     from rollout.cluster.wire_send import BucketPacker
-    from rollout.engine.weight_delta import DeltaEncoder
+    from rollout.engine.delta_encoder import DeltaEncoder
 
     engine = dict(device="cpu", dtype="bfloat16", max_batch_size=8, max_seq_len=128, kv_cache_tokens=1024)
     worker, encoder, packer = RolloutWorker(path, engine), DeltaEncoder(), BucketPacker()

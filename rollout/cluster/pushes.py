@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.weight_delta import DeltaEncoder, Encoded, PushCost
+from ..engine.delta_encoder import DeltaEncoder
+from ..engine.weight_delta import Encoded, PushCost
 from ..engine.weight_lora import adapter_cost, has_adapters
 from ..engine.weights_api import check_inflight
 from .actor_pool import ActorPool
@@ -116,7 +117,7 @@ class WeightPushes:
         """Pack and put the buckets one by one, sending each to the actors as
         it lands: actors receive bucket i while bucket i+1 is packed. Once a
         delta push was asked for, every push is encoded against the copy of
-        the live weights (`weight_delta.DeltaEncoder`), whole or as a delta."""
+        the live weights (`delta_encoder.DeltaEncoder`), whole or as a delta."""
         ray = ray_module()
         version = self._versions.check_next(requested)
         adapters = has_adapters(state_dict)

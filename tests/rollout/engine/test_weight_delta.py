@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.engine.weight_delta import BASE, INDEX, MASK, VALUES, DeltaEncoder, choose, pack_mask, sizes, unpack_mask
+from rollout.engine import delta_encoder
+from rollout.engine.delta_encoder import DeltaEncoder
+from rollout.engine.weight_delta import BASE, INDEX, MASK, VALUES, choose, host_ops, pack_mask, sizes, unpack_mask
 from tests.conftest import make_engine
 from trainer_bridge import TrainerBridge
 from trainer_bridge.names import export_state_dict
@@ -66,6 +68,76 @@ def test_encoder_sends_changed_bits_only_and_keeps_its_copy():
     assert encoded.cost.tensors == {"full": 0, "mask": 1, "index": 1, "unchanged": 1}
     enc.commit(encoded)
     assert all(torch.equal(_bits(enc.reference[n]), _bits(new[n])) for n in new)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32])
+def test_the_compiled_compare_and_scatter_match_numpys_passes(dtype):
+    ops = host_ops()
+    if ops is None:
+        pytest.skip("the compiled CPU kernels are unavailable on this host")  # numpy's path is tested above
+    g = torch.Generator().manual_seed(1)
+    for n, fraction in [(1, 1.0), (63, 0.2), (64, 0.0), (65, 0.5), (1000, 0.01), (4096 + 17, 0.3), (50_000, 0.9)]:
+        old = torch.randint(-30000, 30000, (n,), generator=g, dtype=torch.int32).to(dtype)
+        new = old.clone()
+        flip = torch.rand(n, generator=g) < fraction
+        new[flip] ^= 1  # one bit: a different value
+        want = torch.nonzero(new != old).view(-1)
+        mask = torch.full(((n + 7) // 8 + 8,), 0xAA, dtype=torch.uint8)
+        index, values = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=dtype)
+        assert ops.delta_compare(new, old, mask, index, values, n) == want.numel()
+        assert torch.equal(mask[: (n + 7) // 8], pack_mask(new != old))
+        assert torch.equal(index[: want.numel()].long(), want) and torch.equal(values[: want.numel()], new[want])
+        for where in (index[: want.numel()], want, mask[: (n + 7) // 8]):  # int32, int64 positions; a mask
+            patched = old.clone()
+            ops.delta_scatter(patched, where.contiguous(), values[: want.numel()].contiguous())
+            assert torch.equal(patched, new)
+        if want.numel() > 2:  # gives up after the block of 64 where more than `stop` = 1 changed
+            cumulative = torch.bincount(want // 64).cumsum(0)
+            short = torch.full((2,), -1, dtype=torch.int32)  # positions: room for 2
+            assert ops.delta_compare(new, old, mask, short, values, 1) == cumulative[cumulative > 1][0]
+            assert torch.equal(short.long(), want[:2])
+    with pytest.raises(RuntimeError, match="outside the tensor"):
+        ops.delta_scatter(torch.zeros(8, dtype=dtype), torch.tensor([8], dtype=torch.int32), torch.ones(1, dtype=dtype))
+
+
+def test_a_tensor_whose_sample_says_most_changed_goes_whole_and_exact(qwen2, monkeypatch):
+    """The sample picks whole for a tensor whose every sampled element changed,
+    though only 1/16 of it did (a delta would have been smaller): no compare,
+    and the engine still ends with the trainer's bits."""
+    engine = make_engine(qwen2.path, dtype="bfloat16")
+    bridge = TrainerBridge(engine)
+    cast = export_state_dict(qwen2.hf, BF16)
+    bridge.push(cast, delta=True)  # whole: fills the trainer's copy
+    name = max((k for k in cast if ".layers." in k), key=lambda k: cast[k].numel())
+    n = cast[name].numel()
+    monkeypatch.setattr(delta_encoder, "SAMPLE_MIN", 1024)
+    monkeypatch.setattr(delta_encoder, "SAMPLES", n // 16)
+    compared = []
+    if host_ops() is not None:
+        monkeypatch.setattr(delta_encoder, "host_ops", lambda: _Spy(host_ops(), compared))
+    new = {k: v.clone() for k, v in cast.items()}
+    new[name].view(-1)[::16] += 1.0  # exactly the sampled elements
+    small = min((k for k in cast if cast[k].numel() < 1024), key=lambda k: cast[k].numel())
+    new[small].view(-1)[0] += 1.0
+    bridge.push(new, delta=True)
+    cost = bridge.last_push
+    assert cost.encoding == "delta" and cost.tensors["full"] == 1 and cost.tensors["index"] + cost.tensors["mask"] == 1
+    assert new[name].data_ptr() not in compared and (host_ops() is None or new[small].data_ptr() in compared)
+    assert_holds(engine, new)
+
+
+class _Spy:
+    """The compiled ops, recording where each tensor `delta_compare` ran on lies."""
+
+    def __init__(self, ops, seen: list):
+        self.ops, self.seen = ops, seen
+
+    def delta_compare(self, new, *args):
+        self.seen.append(new.data_ptr())
+        return self.ops.delta_compare(new, *args)
+
+    def __getattr__(self, op):
+        return getattr(self.ops, op)
 
 
 def test_a_push_that_does_not_wait_keeps_what_it_sent_not_what_the_caller_changed_after():
