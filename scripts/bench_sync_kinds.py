@@ -26,6 +26,7 @@ and commit, and the update of the trainer's copy.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -64,11 +65,27 @@ class Trainer:
         return {k: p.detach().to(BF16) for k, p in self.params.items()}
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time so far of every thread of `pids` (Linux `/proc/PID/task/*/schedstat`, in ns)."""
+    total = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+                pass
+    return total / 1e9
+
+
 def _push(cluster, state, delta: bool = False) -> dict:
+    pids = [os.getpid(), *(slot.pid for slot in cluster._slots)]  # the driver and the actors: all on this host
+    cpu = cpu_seconds(pids)
     cluster.push_weights(state, delta=delta)
+    cpu = cpu_seconds(pids) - cpu
     c = cluster.last_push
     return dict(
         seconds=c.seconds,
+        cpu_s=cpu,
         bytes_sent=c.bytes_sent,
         bytes_full=c.bytes_full,
         changed=c.changed_fraction,
@@ -308,12 +325,19 @@ def report(r: dict) -> None:
 
 def report_delta(d: dict) -> None:
     full_s, full_b = _median(d["full"], "seconds"), _median(d["full"], "bytes_sent")
-    print(f"full push: {full_b / 2**20:.0f} MiB bf16, median {full_s * 1e3:.0f} ms")
-    print("delta pushes after AdamW steps (medians): lr, changed fraction, bytes sent / full, time / full")
+    full_cpu = _median(d["full"], "cpu_s")
+    print(f"full push: {full_b / 2**20:.0f} MiB bf16, median {full_s * 1e3:.0f} ms, {full_cpu * 1e3:.0f} ms of CPU")
+    print(
+        "delta pushes after AdamW steps (medians): lr, changed fraction, bytes sent / full, time / full, "
+        "CPU time (driver and actors) / full"
+    )
     for lr, runs in d["delta"].items():
-        b, s = _median(runs, "bytes_sent"), _median(runs, "seconds")
+        b, s, cpu = _median(runs, "bytes_sent"), _median(runs, "seconds"), _median(runs, "cpu_s")
         changed = _median(runs, "changed")
-        print(f"  {lr:>6}: {changed:6.2%} changed, bytes {b / full_b:.3f}x, {s * 1e3:.0f} ms = {s / full_s:.2f}x")
+        print(
+            f"  {lr:>6}: {changed:6.2%} changed, bytes {b / full_b:.3f}x, {s * 1e3:.0f} ms = {s / full_s:.2f}x, "
+            f"CPU {cpu * 1e3:.0f} ms = {cpu / full_cpu:.2f}x"
+        )
     print(f"trainer's copy for deltas: {d['reference_bytes'] / 2**20:.0f} MiB")
 
 

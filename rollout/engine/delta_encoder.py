@@ -120,7 +120,9 @@ class DeltaEncoder:
                 continue
             where, values = parts
             out[name + (MASK if how == "mask" else INDEX)], out[name + VALUES] = where, values
-            pending[name] = (how, where, values)
+            # A mask marks more than 1/32 of the tensor: copying it whole beats a scatter of so many elements
+            # (~5 ns apiece), where the caller's tensor stays as sent until the commit.
+            pending[name] = ("copy", new.detach()) if stable and how == "mask" else (how, where, values)
         used_delta = counts["mask"] + counts["index"] + counts["unchanged"] > 0
         # Every tensor whole: a plain push, valid over any version.
         out = {k: v for k, v in out.items() if used_delta or k != BASE}

@@ -177,10 +177,13 @@ def _patch(state_dict: Mapping[str, torch.Tensor], name: str) -> Patch:
 
 
 def changed_at(name: str, live: torch.Tensor, patch: Patch) -> tuple[torch.Tensor, torch.Tensor]:
-    """`patch` as (flat positions in `live`, values in `live`'s dtype), both
-    on `live`'s device; positions int32 on the host when the compiled
-    scatter takes them as they came, else int64. Raises `ValueError` naming `name` when the patch
-    does not fit `live`; nothing is written."""
+    """`patch` as (where, values in `live`'s dtype), both on `live`'s device,
+    for `put`. `where` is the flat positions of the changed elements: int64,
+    or, on the host with the compiled scatter, the int32 positions as they
+    came, and a mask as it came (uint8, `ceil(n / 8)` bytes: a mask patch
+    is dense, more than 1/32 of the tensor, so the engine stages a copy for
+    it whichever form it takes). Raises `ValueError` naming `name` when the
+    patch does not fit `live`; nothing is written."""
     n = live.numel()
     if patch.mask is not None:
         mask = patch.mask.contiguous()
@@ -188,6 +191,13 @@ def changed_at(name: str, live: torch.Tensor, patch: Patch) -> tuple[torch.Tenso
             raise ValueError(f"delta mask of {name!r} has {mask.numel()} bytes, expected {math.ceil(n / 8)}")
         if n % 8 and int(mask[-1]) >> (n % 8):
             raise ValueError(f"delta mask of {name!r} sets bits past the tensor's {n} elements")
+        if mask.device.type == "cpu" and live.device.type == "cpu" and host_ops() is not None:
+            marked = int(np.bitwise_count(mask.numpy()).sum(dtype=np.int64))
+            if marked != patch.values.numel():
+                raise ValueError(
+                    f"delta of {name!r} marks {marked} changed elements but carries {patch.values.numel()} values"
+                )
+            return mask, patch.values.to(live.dtype)
         where = _flat_nonzero(unpack_mask(mask, n))
     else:
         where = patch.index
