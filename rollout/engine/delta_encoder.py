@@ -77,6 +77,7 @@ class DeltaEncoder:
 
     def __init__(self) -> None:
         self.reference: dict[str, torch.Tensor] = {}
+        self._borrowed: set[str] = set()  # names whose reference is read-only memory the caller lent (`borrow`)
         self._scratch = np.empty(0, dtype=np.bool_)  # numpy's path: one bool per element
         self._mask = torch.empty(0, dtype=torch.uint8)
         self._index = torch.empty(0, dtype=torch.int32)
@@ -87,14 +88,22 @@ class DeltaEncoder:
         return sum(t.nbytes for t in self.reference.values())
 
     def encode(
-        self, state_dict: Mapping[str, torch.Tensor], base: int, delta: bool = True, stable: bool = False
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        base: int,
+        delta: bool = True,
+        stable: bool = False,
+        borrow: bool = False,
     ) -> Encoded:
         """The push to send and what `commit` applies. With `delta=False`, or
         for names the reference lacks or holds at another shape or dtype,
         tensors go whole. `stable=True`: the caller's tensors keep their
         values until `commit` (a push that waits for its commit), so a tensor
         sent whole is copied into the reference's own memory then, not
-        cloned now (no new memory to fault in). `cost.changed_fraction`
+        cloned now (no new memory to fault in). `borrow=True`: the caller
+        hands `commit` read-only views of the bytes it sent (the object
+        store's) for the host tensors sent whole, which become the reference
+        as they are: neither cloned nor copied. `cost.changed_fraction`
         counts a tensor sent whole on its sample's say by the sample."""
         start = time.perf_counter()
         out: dict[str, torch.Tensor] = {BASE: torch.tensor([base], dtype=torch.int64)} if delta else {}
@@ -116,7 +125,7 @@ class DeltaEncoder:
                 continue
             counts[how] += 1
             if how == "full":
-                out[name], pending[name] = new, self._whole(new, old, stable)
+                out[name], pending[name] = new, self._whole(new, old, stable, borrow)
                 continue
             where, values = parts
             out[name + (MASK if how == "mask" else INDEX)], out[name + VALUES] = where, values
@@ -187,15 +196,32 @@ class DeltaEncoder:
             self._scratch = np.empty(n, dtype=np.bool_)
         return torch.from_numpy(np.not_equal(_as_bits(new).numpy(), _as_bits(old).numpy(), out=self._scratch[:n]))
 
-    @staticmethod
-    def _whole(new: torch.Tensor, old: torch.Tensor | None, stable: bool) -> tuple:
+    def _whole(self, new: torch.Tensor, old: torch.Tensor | None, stable: bool, borrow: bool) -> tuple:
         """What `commit` does for a tensor sent whole."""
+        if borrow and new.device.type == "cpu":
+            return ("borrow",)
         same = old is not None and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
-        return ("copy", new.detach()) if stable and same else ("whole", new.detach().clone())
+        if stable and same:
+            return ("copy", new.detach())
+        return ("whole", new.detach().clone())
 
-    def commit(self, encoded: Encoded) -> None:
-        """Every engine holds `encoded`: make it the reference."""
+    def commit(self, encoded: Encoded, sent: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Every engine holds `encoded`: make it the reference. `sent`: for
+        a push encoded with `borrow=True`, read-only views of the bytes of
+        its tensors sent whole, kept as they are (and copied once, the first
+        time a later delta must write into one of them)."""
         for name, item in encoded.pending.items():
+            if item[0] == "borrow":
+                self.reference[name] = sent[name]
+                self._borrowed.add(name)
+                continue
+            if name in self._borrowed:  # never written: other processes read that memory
+                self._borrowed.discard(name)
+                if item[0] == "copy":
+                    self.reference[name] = _own_tensor(item[1])
+                    continue
+                if item[0] != "whole":
+                    self.reference[name] = _own_tensor(self.reference[name])
             if item[0] == "copy":
                 _copy(self.reference[name], item[1])
             elif item[0] == "whole":
@@ -205,6 +231,7 @@ class DeltaEncoder:
 
     def clear(self) -> None:
         self.reference.clear()
+        self._borrowed.clear()
 
 
 def sample_changed(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -237,6 +264,11 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     """A copy of a host tensor by numpy: one thread (torch's `clone` waits on
     its worker threads on a busy host, longer than the copy takes)."""
     return torch.from_numpy(t.numpy().copy())
+
+
+def _own_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a host tensor of any dtype, by numpy (see `_own`)."""
+    return _own(_as_bits(t.contiguous())).view(t.dtype).view(t.shape)
 
 
 def _as_int32(where: torch.Tensor) -> torch.Tensor:

@@ -154,6 +154,26 @@ def test_a_push_that_does_not_wait_keeps_what_it_sent_not_what_the_caller_change
     assert enc.reference["a"] is kept and torch.equal(kept, torch.full((64,), 2.0, dtype=BF16))
 
 
+def test_a_lent_copy_is_never_written_a_later_delta_copies_it_first():
+    """`borrow`: tensors sent whole become the copy as the caller lends their
+    bytes (the object store's, which actors read as their weights)."""
+    enc = DeltaEncoder()
+    state = {"a": torch.randn(4096).to(BF16), "b": torch.randn(4096).to(BF16)}
+    lent = {k: v.clone() for k, v in state.items()}  # stands for the store's bytes
+    first = enc.encode(state, base=0, borrow=True)
+    enc.commit(first, lent)
+    assert all(enc.reference[k] is lent[k] for k in state)
+    new = {k: v.clone() for k, v in state.items()}
+    new["a"][7] += 1.0  # sparse: a scatter
+    new["b"][::3] += 1.0  # a third: a mask, copied whole into the copy at commit
+    second = enc.encode(new, base=1, stable=True, borrow=True)
+    assert second.cost.tensors == {"full": 0, "mask": 1, "index": 1, "unchanged": 0}
+    enc.commit(second)
+    assert all(torch.equal(lent[k], state[k]) for k in state)  # untouched
+    assert all(torch.equal(_bits(enc.reference[k]), _bits(new[k])) for k in state)
+    assert enc.reference["a"].data_ptr() != lent["a"].data_ptr()
+
+
 def _train_steps(model, steps: int, lr: float, seed: int):
     """AdamW on float32 master weights; yields after each step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
