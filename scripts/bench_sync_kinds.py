@@ -9,6 +9,12 @@ tied), served in bfloat16 by 2 actors of one CPU each. Gradients are random
 normals: the optimizer's update is AdamW's own, its size set by the
 learning rate, which is what decides how many bf16 values change.
 
+Each push's wall time comes with its CPU time in the driver and the actors
+(every thread's, from /proc): on a shared host the wall time follows the
+load, the CPU time much less. After the delta pushes, full and delta pushes
+at the last learning rate go in turn on the same cluster, so a load that
+drifts over the run weighs on both alike.
+
 With `--nodes 2` the local Ray is two nodes on this host
 (`ray.cluster_utils.Cluster`): the driver's node runs no actor and both
 actors run on the second, so every bucket crosses from one node's object
@@ -110,6 +116,13 @@ def bench_delta(cluster, trainer: Trainer, lrs: list[float], pushes: int) -> dic
             trainer.step(lr)
             runs.append(_push(cluster, trainer.cast(), delta=True))
         out["delta"][str(lr)] = runs
+    # At the last learning rate, full and delta pushes in turn on the same cluster, so a load that drifts
+    # over the run weighs on both alike. A full push here keeps the trainer's copy too (by store views).
+    out["alternating"] = {"lr": lrs[-1], "full": [], "delta": []}
+    for _ in range(pushes):
+        for kind in ("full", "delta"):
+            trainer.step(lrs[-1])
+            out["alternating"][kind].append(_push(cluster, trainer.cast(), delta=kind == "delta"))
     out["reference_bytes"] = cluster.reference_bytes
     return out
 
@@ -337,6 +350,14 @@ def report_delta(d: dict) -> None:
         print(
             f"  {lr:>6}: {changed:6.2%} changed, bytes {b / full_b:.3f}x, {s * 1e3:.0f} ms = {s / full_s:.2f}x, "
             f"CPU {cpu * 1e3:.0f} ms = {cpu / full_cpu:.2f}x"
+        )
+    if "alternating" in d:
+        alt = d["alternating"]
+        full_s, full_cpu = _median(alt["full"], "seconds"), _median(alt["full"], "cpu_s")
+        s, cpu, changed = (_median(alt["delta"], k) for k in ("seconds", "cpu_s", "changed"))
+        print(
+            f"  in turn at {alt['lr']}: full {full_s * 1e3:.0f} ms, delta ({changed:.2%} changed) {s * 1e3:.0f} ms "
+            f"= {s / full_s:.2f}x, CPU {cpu / full_cpu:.2f}x"
         )
     print(f"trainer's copy for deltas: {d['reference_bytes'] / 2**20:.0f} MiB")
 
