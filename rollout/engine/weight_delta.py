@@ -191,7 +191,7 @@ def changed_at(name: str, live: torch.Tensor, patch: Patch) -> tuple[torch.Tenso
             raise ValueError(f"delta mask of {name!r} has {mask.numel()} bytes, expected {math.ceil(n / 8)}")
         if n % 8 and int(mask[-1]) >> (n % 8):
             raise ValueError(f"delta mask of {name!r} sets bits past the tensor's {n} elements")
-        if mask.device.type == "cpu" and live.device.type == "cpu" and host_ops() is not None:
+        if mask.device.type == "cpu" and live.device.type == "cpu" and _scatters(live):
             marked = int(np.bitwise_count(mask.numpy()).sum(dtype=np.int64))
             if marked != patch.values.numel():
                 raise ValueError(
@@ -203,7 +203,7 @@ def changed_at(name: str, live: torch.Tensor, patch: Patch) -> tuple[torch.Tenso
         where = patch.index
         if where.numel() and (int(where[0]) < 0 or int(where[-1]) >= n or not _increasing(where)):
             raise ValueError(f"delta indices of {name!r} must be strictly increasing and in [0, {n})")
-        if where.device.type != "cpu" or host_ops() is None:
+        if where.device.type != "cpu" or not _scatters(live):
             where = _as_int64(where)
     if where.numel() != patch.values.numel():
         raise ValueError(
@@ -230,11 +230,15 @@ def put(flat: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
     if flat.device.type != "cpu":
         flat.index_copy_(0, where.to(torch.int64), values)
         return
-    ops = host_ops() if flat.element_size() in (2, 4) else None
-    if ops is not None:
-        ops.delta_scatter(_as_bits(flat.detach()), where.contiguous(), _as_bits(values.detach().contiguous()))
+    if _scatters(flat):
+        host_ops().delta_scatter(_as_bits(flat.detach()), where.contiguous(), _as_bits(values.detach().contiguous()))
         return
     _as_bits(flat.detach()).numpy()[where.numpy()] = _as_bits(values.detach()).numpy()
+
+
+def _scatters(t: torch.Tensor) -> bool:
+    """Whether `delta_scatter` writes into the host tensor `t` (elements of 2 or 4 bytes)."""
+    return t.element_size() in (2, 4) and host_ops() is not None
 
 
 @functools.cache

@@ -12,7 +12,20 @@ import torch
 from rollout import SamplingParams
 from rollout.engine import delta_encoder
 from rollout.engine.delta_encoder import DeltaEncoder
-from rollout.engine.weight_delta import BASE, INDEX, MASK, VALUES, choose, host_ops, pack_mask, sizes, unpack_mask
+from rollout.engine.weight_delta import (
+    BASE,
+    INDEX,
+    MASK,
+    VALUES,
+    Patch,
+    changed_at,
+    choose,
+    host_ops,
+    pack_mask,
+    put,
+    sizes,
+    unpack_mask,
+)
 from tests.conftest import make_engine
 from trainer_bridge import TrainerBridge
 from trainer_bridge.names import export_state_dict
@@ -98,6 +111,20 @@ def test_the_compiled_compare_and_scatter_match_numpys_passes(dtype):
             assert torch.equal(short.long(), want[:2])
     with pytest.raises(RuntimeError, match="outside the tensor"):
         ops.delta_scatter(torch.zeros(8, dtype=dtype), torch.tensor([8], dtype=torch.int32), torch.ones(1, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float64])  # the compiled scatter takes 2- and 4-byte elements
+def test_a_received_mask_or_index_patch_writes_exactly_its_elements(dtype):
+    changed = torch.zeros(20, dtype=torch.bool)
+    changed[[1, 9, 19]] = True
+    values = torch.tensor([1.0, 2.0, 3.0], dtype=dtype)
+    for patch in (
+        Patch(values, mask=pack_mask(changed)),
+        Patch(values, index=torch.tensor([1, 9, 19], dtype=torch.int32)),
+    ):
+        live = torch.zeros(20, dtype=dtype)
+        put(live, *changed_at("w", live, patch))
+        assert live[[1, 9, 19]].tolist() == [1.0, 2.0, 3.0] and int(live.count_nonzero()) == 3
 
 
 def test_a_tensor_whose_sample_says_most_changed_goes_whole_and_exact(qwen2, monkeypatch):
