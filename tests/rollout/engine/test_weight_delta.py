@@ -46,6 +46,15 @@ def test_encoding_sizes_and_choice_by_hand():
     assert choose(8, 8, 4) == "full"  # 33 > 32
 
 
+def test_the_densest_delta_is_where_choose_turns_to_whole():
+    # The compiled compare stops past `densest`: every count up to it must take a delta encoding, none above it.
+    for itemsize in (2, 4):
+        for n in (1, 7, 8, 33, 64, 100, 257):
+            k = delta_encoder.densest(n, itemsize)
+            assert [choose(n, c, itemsize) != "full" for c in range(n + 1)] == [c <= k for c in range(n + 1)]
+    assert delta_encoder.densest(1000, 2) == 437  # a mask: 125 + 2 * 437 = 999 bytes, at most half of 2000
+
+
 def test_mask_bits_are_little_endian_per_byte():
     changed = torch.zeros(11, dtype=torch.bool)
     changed[[0, 3, 8, 10]] = True
