@@ -9,6 +9,12 @@ tied), served in bfloat16 by 2 actors of one CPU each. Gradients are random
 normals: the optimizer's update is AdamW's own, its size set by the
 learning rate, which is what decides how many bf16 values change.
 
+Each push's wall time comes with its CPU time in the driver and the actors
+(every thread's, from /proc): on a shared host the wall time follows the
+load, the CPU time much less. After the delta pushes, full and delta pushes
+at the last learning rate go in turn on the same cluster, so a load that
+drifts over the run weighs on both alike.
+
 With `--nodes 2` the local Ray is two nodes on this host
 (`ray.cluster_utils.Cluster`): the driver's node runs no actor and both
 actors run on the second, so every bucket crosses from one node's object
@@ -26,6 +32,7 @@ and commit, and the update of the trainer's copy.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -64,11 +71,27 @@ class Trainer:
         return {k: p.detach().to(BF16) for k, p in self.params.items()}
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time so far of every thread of `pids` (Linux `/proc/PID/task/*/schedstat`, in ns)."""
+    total = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+                pass
+    return total / 1e9
+
+
 def _push(cluster, state, delta: bool = False) -> dict:
+    pids = [os.getpid(), *(slot.pid for slot in cluster._slots)]  # the driver and the actors: all on this host
+    cpu = cpu_seconds(pids)
     cluster.push_weights(state, delta=delta)
+    cpu = cpu_seconds(pids) - cpu
     c = cluster.last_push
     return dict(
         seconds=c.seconds,
+        cpu_s=cpu,
         bytes_sent=c.bytes_sent,
         bytes_full=c.bytes_full,
         changed=c.changed_fraction,
@@ -93,6 +116,13 @@ def bench_delta(cluster, trainer: Trainer, lrs: list[float], pushes: int) -> dic
             trainer.step(lr)
             runs.append(_push(cluster, trainer.cast(), delta=True))
         out["delta"][str(lr)] = runs
+    # At the last learning rate, full and delta pushes in turn on the same cluster, so a load that drifts
+    # over the run weighs on both alike. A full push here keeps the trainer's copy too (by store views).
+    out["alternating"] = {"lr": lrs[-1], "full": [], "delta": []}
+    for _ in range(pushes):
+        for kind in ("full", "delta"):
+            trainer.step(lrs[-1])
+            out["alternating"][kind].append(_push(cluster, trainer.cast(), delta=kind == "delta"))
     out["reference_bytes"] = cluster.reference_bytes
     return out
 
@@ -172,7 +202,7 @@ def bench_phases(path: Path, trainer: Trainer, lr: float, pushes: int) -> dict:
     from rollout.cluster.wire import Manifest
     from rollout.cluster.wire_receive import assemble
     from rollout.cluster.wire_send import BucketPacker
-    from rollout.engine.weight_delta import DeltaEncoder
+    from rollout.engine.delta_encoder import DeltaEncoder
 
     engine = dict(device="cpu", dtype="bfloat16", max_batch_size=8, max_seq_len=128, kv_cache_tokens=1024)
     worker, encoder, packer = RolloutWorker(path, engine), DeltaEncoder(), BucketPacker()
@@ -308,12 +338,27 @@ def report(r: dict) -> None:
 
 def report_delta(d: dict) -> None:
     full_s, full_b = _median(d["full"], "seconds"), _median(d["full"], "bytes_sent")
-    print(f"full push: {full_b / 2**20:.0f} MiB bf16, median {full_s * 1e3:.0f} ms")
-    print("delta pushes after AdamW steps (medians): lr, changed fraction, bytes sent / full, time / full")
+    full_cpu = _median(d["full"], "cpu_s")
+    print(f"full push: {full_b / 2**20:.0f} MiB bf16, median {full_s * 1e3:.0f} ms, {full_cpu * 1e3:.0f} ms of CPU")
+    print(
+        "delta pushes after AdamW steps (medians): lr, changed fraction, bytes sent / full, time / full, "
+        "CPU time (driver and actors) / full"
+    )
     for lr, runs in d["delta"].items():
-        b, s = _median(runs, "bytes_sent"), _median(runs, "seconds")
+        b, s, cpu = _median(runs, "bytes_sent"), _median(runs, "seconds"), _median(runs, "cpu_s")
         changed = _median(runs, "changed")
-        print(f"  {lr:>6}: {changed:6.2%} changed, bytes {b / full_b:.3f}x, {s * 1e3:.0f} ms = {s / full_s:.2f}x")
+        print(
+            f"  {lr:>6}: {changed:6.2%} changed, bytes {b / full_b:.3f}x, {s * 1e3:.0f} ms = {s / full_s:.2f}x, "
+            f"CPU {cpu * 1e3:.0f} ms = {cpu / full_cpu:.2f}x"
+        )
+    if "alternating" in d:
+        alt = d["alternating"]
+        full_s, full_cpu = _median(alt["full"], "seconds"), _median(alt["full"], "cpu_s")
+        s, cpu, changed = (_median(alt["delta"], k) for k in ("seconds", "cpu_s", "changed"))
+        print(
+            f"  in turn at {alt['lr']}: full {full_s * 1e3:.0f} ms, delta ({changed:.2%} changed) {s * 1e3:.0f} ms "
+            f"= {s / full_s:.2f}x, CPU {cpu / full_cpu:.2f}x"
+        )
     print(f"trainer's copy for deltas: {d['reference_bytes'] / 2**20:.0f} MiB")
 
 

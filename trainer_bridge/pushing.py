@@ -10,7 +10,8 @@ from collections.abc import Mapping
 import torch
 
 from rollout import Engine, RolloutCluster
-from rollout.engine.weight_delta import DeltaEncoder, PushCost
+from rollout.engine.delta_encoder import DeltaEncoder
+from rollout.engine.weight_delta import PushCost
 from rollout.engine.weight_lora import adapter_cost, has_adapters
 
 from .lora import export_adapters, export_base, is_peft_lora

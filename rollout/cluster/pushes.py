@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.weight_delta import DeltaEncoder, Encoded, PushCost
+from ..engine.delta_encoder import DeltaEncoder
+from ..engine.weight_delta import Encoded, PushCost
 from ..engine.weight_lora import adapter_cost, has_adapters
 from ..engine.weights_api import check_inflight
 from .actor_pool import ActorPool
@@ -21,7 +22,7 @@ from .cluster_version import ClusterVersion
 from .handles import PushHandle
 from .ray_runtime import local_node, ray_module
 from .wire import Manifest, check_state_dict
-from .wire_receive import VerifyShare
+from .wire_receive import VerifyShare, assemble, unpack_entries
 from .wire_send import BucketPacker
 
 
@@ -116,7 +117,7 @@ class WeightPushes:
         """Pack and put the buckets one by one, sending each to the actors as
         it lands: actors receive bucket i while bucket i+1 is packed. Once a
         delta push was asked for, every push is encoded against the copy of
-        the live weights (`weight_delta.DeltaEncoder`), whole or as a delta."""
+        the live weights (`delta_encoder.DeltaEncoder`), whole or as a delta."""
         ray = ray_module()
         version = self._versions.check_next(requested)
         adapters = has_adapters(state_dict)
@@ -129,7 +130,10 @@ class WeightPushes:
             cost = adapter_cost(state_dict, self.engine_dtype, 0.0)
         elif self._encoder is not None:
             # A push that waits commits before its caller may change the tensors: no clone for the copy.
-            encoded = self._encoder.encode(state_dict, self._versions.version, delta and not self.whole_next, wait)
+            # Host tensors sent whole become the copy as the store holds them (`_sent_views`): no copy at all.
+            encoded = self._encoder.encode(
+                state_dict, self._versions.version, delta and not self.whole_next, wait, borrow=True
+            )
             state_dict, cost = encoded.state_dict, encoded.cost
         else:
             full = sum(t.nbytes for t in state_dict.values())
@@ -151,6 +155,23 @@ class WeightPushes:
                 roles.append(role)
         manifest = Manifest(tuple(entries), tuple(sizes))
         return _Shipment(version, push_id, slots, manifest, tuple(refs), calls, roles, encoded, cost, started, adapters)
+
+    @staticmethod
+    def _sent_views(shipment: _Shipment) -> dict[str, torch.Tensor]:
+        """The tensors an encoded push sent whole from the host, as read-only
+        views of its buckets in this node's object store (mapped, not
+        copied). On one node the CPU actors adopted the same bytes as their
+        weights, so the copy for deltas costs neither a copy nor memory."""
+        pending = shipment.encoded.pending
+        by_bucket: dict[int, list] = {}
+        for entry in shipment.manifest.entries:
+            if pending.get(entry.name, ("",))[0] == "borrow":
+                by_bucket.setdefault(entry.bucket, []).append(entry)
+        views = {}
+        for index, entries in by_bucket.items():
+            bucket, _ = assemble(ray_module().get(shipment.refs[index]))
+            views.update(unpack_entries(bucket, entries))
+        return views
 
     def _snapshot(self) -> tuple[Manifest, tuple]:
         """The copy of the live weights, put in the store as a push's buckets, for a replacement actor."""
@@ -245,7 +266,8 @@ class WeightPushes:
         if shipment.adapters:
             self._encoder = None  # the adapted tensors moved under its copy: a later delta push starts whole
         elif shipment.encoded is not None:
-            self._encoder.commit(shipment.encoded)  # before the lock is released: replacements snapshot it
+            # Before the lock is released: replacements snapshot it.
+            self._encoder.commit(shipment.encoded, self._sent_views(shipment))
         self._versions.commit(version)
         self.whole_next = False
         self.last_push = dataclasses.replace(shipment.cost, seconds=time.perf_counter() - shipment.started)

@@ -16,9 +16,9 @@ to. An engine whose version is not `BASE` refuses it. Each tensor gets the
 smallest of whole, mask and index for its density (`choose`); a tensor
 with no changed element is left out.
 
-`DeltaEncoder` is the sending side: it keeps the last committed cast
-weights (the reference the deltas are taken against) and reports each
-push's cost (`PushCost`). The receiving side (`split`, `changed_at`) turns
+`delta_encoder.DeltaEncoder` is the sending side: it keeps the last
+committed cast weights (the reference the deltas are taken against) and
+reports each push's cost (`PushCost`). The receiving side (`split`, `changed_at`) turns
 each patch into checked flat indices and values in phase one; the engine
 writes them with one scatter per tensor (`put`, from `weight_update`), into the
 live weights at commit or into a staged copy where the live ones are not
@@ -27,9 +27,8 @@ its own to write.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -62,8 +61,8 @@ class Encoded:
     """One encoded push: what to send, what `DeltaEncoder.commit` applies, its cost."""
 
     state_dict: dict[str, torch.Tensor]  # the push to send
-    pending: dict[str, tuple]  # name -> ("whole", copy) | ("copy", the caller's tensor) | ("index", int64 flat
-    # indices of changed elements, values)
+    pending: dict[str, tuple]  # name -> ("whole", copy) | ("copy", the caller's tensor) | ("index" | "mask",
+    # int32 flat positions or the uint8 mask of the changed elements, their values)
     cost: PushCost  # seconds: the encoding's alone
 
 
@@ -178,9 +177,13 @@ def _patch(state_dict: Mapping[str, torch.Tensor], name: str) -> Patch:
 
 
 def changed_at(name: str, live: torch.Tensor, patch: Patch) -> tuple[torch.Tensor, torch.Tensor]:
-    """`patch` as (int64 flat indices into `live`, values in `live`'s dtype),
-    both on `live`'s device. Raises `ValueError` naming `name` when the patch
-    does not fit `live`; nothing is written."""
+    """`patch` as (where, values in `live`'s dtype), both on `live`'s device,
+    for `put`. `where` is the flat positions of the changed elements: int64,
+    or, on the host with the compiled scatter, the int32 positions as they
+    came, and a mask as it came (uint8, `ceil(n / 8)` bytes: a mask patch
+    is dense, more than 1/32 of the tensor, so the engine stages a copy for
+    it whichever form it takes). Raises `ValueError` naming `name` when the
+    patch does not fit `live`; nothing is written."""
     n = live.numel()
     if patch.mask is not None:
         mask = patch.mask.contiguous()
@@ -188,12 +191,20 @@ def changed_at(name: str, live: torch.Tensor, patch: Patch) -> tuple[torch.Tenso
             raise ValueError(f"delta mask of {name!r} has {mask.numel()} bytes, expected {math.ceil(n / 8)}")
         if n % 8 and int(mask[-1]) >> (n % 8):
             raise ValueError(f"delta mask of {name!r} sets bits past the tensor's {n} elements")
+        if mask.device.type == "cpu" and live.device.type == "cpu" and _scatters(live):
+            marked = int(np.bitwise_count(mask.numpy()).sum(dtype=np.int64))
+            if marked != patch.values.numel():
+                raise ValueError(
+                    f"delta of {name!r} marks {marked} changed elements but carries {patch.values.numel()} values"
+                )
+            return mask, patch.values.to(live.dtype)
         where = _flat_nonzero(unpack_mask(mask, n))
     else:
         where = patch.index
         if where.numel() and (int(where[0]) < 0 or int(where[-1]) >= n or not _increasing(where)):
             raise ValueError(f"delta indices of {name!r} must be strictly increasing and in [0, {n})")
-        where = _as_int64(where)
+        if where.device.type != "cpu" or not _scatters(live):
+            where = _as_int64(where)
     if where.numel() != patch.values.numel():
         raise ValueError(
             f"delta of {name!r} marks {where.numel()} changed elements but carries {patch.values.numel()} values"
@@ -209,16 +220,38 @@ def _increasing(t: torch.Tensor) -> bool:
 
 
 def put(flat: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
-    """`flat[where] = values` in place, for a flat tensor, int64 indices and
-    values of its dtype. On the host through numpy's indexed assignment on
-    the bit patterns: one thread (torch's `index_copy_` waits on its worker
-    threads on a busy host), and faster than `np.put`. Either way each
-    element is a random memory access: ~25-35 ns apiece on the development
-    host, so 2M changed elements take ~50-70 ms."""
+    """`flat[where] = values` in place, for a flat tensor, int32 or int64
+    flat positions and values of its dtype. On the host by the compiled
+    `delta_scatter` (one pass, no int64 copy of the positions), else
+    numpy's indexed assignment on the bit patterns: one thread either way
+    (torch's `index_copy_` waits on its worker threads on a busy host). Each
+    element is a random memory access, so the time grows with the changed
+    elements, not the tensor."""
     if flat.device.type != "cpu":
-        flat.index_copy_(0, where, values)
+        flat.index_copy_(0, where.to(torch.int64), values)
+        return
+    if _scatters(flat):
+        host_ops().delta_scatter(_as_bits(flat.detach()), where.contiguous(), _as_bits(values.detach().contiguous()))
         return
     _as_bits(flat.detach()).numpy()[where.numpy()] = _as_bits(values.detach()).numpy()
+
+
+def _scatters(t: torch.Tensor) -> bool:
+    """Whether `delta_scatter` writes into the host tensor `t` (elements of 2 or 4 bytes)."""
+    return t.element_size() in (2, 4) and host_ops() is not None
+
+
+@functools.cache
+def host_ops():
+    """The compiled delta kernels (`csrc/delta_encode.cpp`), or None where they
+    cannot be built: numpy's passes then."""
+    from ..kernels import KernelUnavailable, cpu_ops
+
+    try:
+        ops = cpu_ops()
+    except KernelUnavailable:
+        return None
+    return ops if hasattr(ops, "delta_compare") else None
 
 
 def _as_int64(t: torch.Tensor) -> torch.Tensor:
@@ -233,123 +266,3 @@ def _flat_nonzero(changed: torch.Tensor) -> torch.Tensor:
     if changed.device.type != "cpu":
         return changed.nonzero().view(-1)
     return torch.from_numpy(np.flatnonzero(changed.numpy()))
-
-
-class DeltaEncoder:
-    """The sending side of delta pushes.
-
-    `reference` holds, per name, the cast weights of the last committed push
-    that set it: one copy of every pushed tensor, on the tensors' device,
-    `nbytes` in all. `encode` compares a new state dict with it bit for bit;
-    `commit` applies an encoded push to it once every engine holds it, so a
-    push that fails leaves the reference at the weights the engines serve.
-    On the host the comparison writes into one scratch of bools, the size of
-    the largest tensor, kept between pushes.
-    """
-
-    def __init__(self) -> None:
-        self.reference: dict[str, torch.Tensor] = {}
-        self._scratch = np.empty(0, dtype=np.bool_)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.reference.values())
-
-    def encode(
-        self, state_dict: Mapping[str, torch.Tensor], base: int, delta: bool = True, stable: bool = False
-    ) -> Encoded:
-        """The push to send and what `commit` applies. With `delta=False`, or
-        for names the reference lacks or holds at another shape or dtype,
-        tensors go whole. `stable=True`: the caller's tensors keep their
-        values until `commit` (a push that waits for its commit), so a tensor
-        sent whole is copied into the reference's own memory then, not
-        cloned now (no new memory to fault in)."""
-        start = time.perf_counter()
-        out: dict[str, torch.Tensor] = {BASE: torch.tensor([base], dtype=torch.int64)} if delta else {}
-        pending: dict[str, tuple] = {}
-        counts = dict.fromkeys(("full", "mask", "index", "unchanged"), 0)
-        elements = changed_elements = 0
-        for name, new in state_dict.items():
-            old = self.reference.get(name)
-            elements += new.numel()
-            if not delta or old is None or old.shape != new.shape or old.dtype != new.dtype:
-                out[name], pending[name] = new, self._whole(new, old, stable)
-                counts["full"] += 1
-                changed_elements += new.numel()
-                continue
-            new = new.detach()
-            changed = self._compare(new, old)
-            k = int(changed.count_nonzero()) if changed.device.type != "cpu" else np.count_nonzero(changed.numpy())
-            changed_elements += k
-            if k == 0:
-                counts["unchanged"] += 1
-                continue
-            how = choose(new.numel(), k, new.element_size())
-            counts[how] += 1
-            if how == "full":
-                out[name], pending[name] = new, self._whole(new, old, stable)
-                continue
-            where = _flat_nonzero(changed)  # only now: for a tensor sent whole it is not needed
-            values = out[name + VALUES] = _take(new, where)
-            if how == "mask":
-                out[name + MASK] = pack_mask(changed)
-            else:
-                out[name + INDEX] = where.to(torch.int32) if where.device.type != "cpu" else _as_int32(where)
-            pending[name] = ("index", where, values)
-        used_delta = counts["mask"] + counts["index"] + counts["unchanged"] > 0
-        # Every tensor whole: a plain push, valid over any version.
-        out = {k: v for k, v in out.items() if used_delta or k != BASE}
-        sent = sum(t.nbytes for t in out.values())
-        full = sum(t.nbytes for t in state_dict.values())
-        cost = PushCost(sent, full, 0.0, "delta" if used_delta else "full", counts, changed_elements / max(elements, 1))
-        return Encoded(out, pending, dataclasses.replace(cost, seconds=time.perf_counter() - start))
-
-    def _compare(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-        """The flat bool mask of the elements whose bits differ. On the host
-        one numpy `not_equal` of the bit patterns (bf16 as int16) into the
-        kept scratch, allocating nothing; valid until the next call."""
-        if new.device.type != "cpu":
-            return torch.ne(_as_bits(new), _as_bits(old))
-        n = new.numel()
-        if self._scratch.size < n:
-            self._scratch = np.empty(n, dtype=np.bool_)
-        return torch.from_numpy(np.not_equal(_as_bits(new).numpy(), _as_bits(old).numpy(), out=self._scratch[:n]))
-
-    @staticmethod
-    def _whole(new: torch.Tensor, old: torch.Tensor | None, stable: bool) -> tuple:
-        """What `commit` does for a tensor sent whole."""
-        same = old is not None and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
-        return ("copy", new.detach()) if stable and same else ("whole", new.detach().clone())
-
-    def commit(self, encoded: Encoded) -> None:
-        """Every engine holds `encoded`: make it the reference."""
-        for name, item in encoded.pending.items():
-            if item[0] == "copy":
-                _copy(self.reference[name], item[1])
-            elif item[0] == "whole":
-                self.reference[name] = item[1]
-            else:
-                put(self.reference[name].view(-1), item[1], item[2])
-
-    def clear(self) -> None:
-        self.reference.clear()
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst.copy_(src)`, on the host through numpy (one thread, see `put`)."""
-    if dst.device.type == "cpu" and src.device.type == "cpu" and src.is_contiguous():
-        np.copyto(_as_bits(dst).numpy(), _as_bits(src).numpy())
-    else:
-        dst.copy_(src)
-
-
-def _as_int32(where: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(where.numpy().astype(np.int32))
-
-
-def _take(t: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """The elements of `t` at the flat positions `where`, in order."""
-    flat = t.reshape(-1)
-    if flat.device.type != "cpu":
-        return flat.index_select(0, where)
-    return torch.from_numpy(np.take(_as_bits(flat).numpy(), where.numpy())).view(t.dtype)

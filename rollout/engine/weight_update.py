@@ -53,10 +53,10 @@ class StagedUpdate:
     restores: bool = False  # it sets every weight that a sleep discarded (see `rollout.engine.sleep`)
     lora: LoraPlan | None = None  # what the commit does to the adapter bases (None: nothing)
     patches: list[tuple[WeightSlot, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # (slot, int64 flat indices, values) a delta writes into the live weights at commit, after the swaps
+    # (slot, where (`weight_delta.changed_at`), values) a delta writes into the live weights at commit, after the swaps
 
 
-Patches = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (int64 flat indices, values), checked
+Patches = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (where, values) from `weight_delta.changed_at`
 
 
 class Expanded(NamedTuple):

@@ -11,6 +11,9 @@
   instead of about a dozen ops; with top-k, top-p or min-p, a sort of the
   candidates that can be kept instead of the whole vocabulary;
   `counter_uniform` draws its per-row uniforms, as `rollout.engine.sampler` defines them.
+- `delta_compare`, `delta_scatter`: a delta push's compare against the
+  trainer's copy in one pass, and the scatter of changed elements
+  (`rollout.engine.weight_delta`).
 - `score_block`: teacher-forced logprobs (and top k) folded one vocabulary
   block of logits at a time, an online logsumexp (`rollout.engine.scoring`).
 
@@ -49,6 +52,7 @@ SOURCES = tuple(
         "skinny_linear.cpp",
         "moe_experts.cpp",
         "score_block.cpp",
+        "delta_encode.cpp",
     )
 )
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("vec_math.h", "kernels.h"))

@@ -17,7 +17,7 @@ from rollout.cluster.actor import RolloutWorker
 from rollout.cluster.actor_slots import ActorGone
 from rollout.cluster.wire import Manifest
 from rollout.cluster.wire_send import BucketPacker
-from rollout.engine.weight_delta import DeltaEncoder
+from rollout.engine.delta_encoder import DeltaEncoder
 from tests.conftest import make_engine
 from tests.rollout.engine.test_weight_delta import PARAMS, PROMPTS, _samples, _train_steps, assert_holds
 from trainer_bridge import TrainerBridge
