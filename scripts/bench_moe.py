@@ -8,9 +8,10 @@ batch untimed (first-touch allocations); then `--repeats` rounds (default 2)
 time every side in turn, and the table shows the median tokens/s and the
 ratio of each round, as the machine's speed drifts between rounds. The
 engine also returns routed experts in one more timed row
-(`return_routed_experts=True`), and with the compiled kernels' one-op
-experts off (`engine_expert_loop`: the per-expert loop of torch GEMMs that
-ran before `moe_experts`). `--threads` sets torch's intra-op threads
+(`return_routed_experts=True`), with the whole sparse layer's op
+(`moe_block`) off so that the experts alone run in one op after torch's
+routing (`engine_moe_experts`, the op before it), and with both off
+(`engine_expert_loop`: the per-expert loop of torch GEMMs). `--threads` sets torch's intra-op threads
 for both sides (default: torch's own choice).
 
     python -m scripts.bench_moe [--repeats 2] [--threads N] [--out runs/bench_moe.json]
@@ -53,7 +54,12 @@ def main() -> None:
         engine = Engine(tmp, device="cpu", max_batch_size=PROMPTS * N, max_seq_len=256, kv_cache_tokens=32 * 1024)
         sides = {
             "engine": lambda: time_engine(engine, prompts, params),
-            "engine_expert_loop": lambda: _expert_loop(engine, lambda: time_engine(engine, prompts, params)),
+            "engine_moe_experts": lambda: _without(
+                engine, ("moe_block",), lambda: time_engine(engine, prompts, params)
+            ),
+            "engine_expert_loop": lambda: _without(
+                engine, ("moe_block", "moe_experts"), lambda: time_engine(engine, prompts, params)
+            ),
             "engine_routed": lambda: time_engine(engine, prompts, routed),
             "transformers": lambda: time_hf(hf, prompts, N, MAX_TOKENS, stop_ids=None),
         }
@@ -72,6 +78,7 @@ def main() -> None:
         "rounds": rounds,
         "median_tokens_per_s": {k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
         "ratios": [r["engine"] / r["transformers"] for r in rounds],
+        "moe_experts_ratios": [r["engine_moe_experts"] / r["transformers"] for r in rounds],
         "loop_ratios": [r["engine_expert_loop"] / r["transformers"] for r in rounds],
         "routed_ratios": [r["engine_routed"] / r["transformers"] for r in rounds],
     }
@@ -81,18 +88,18 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=1))
 
 
-def _expert_loop(engine: Engine, run):
-    """`run()` with the compiled kernels' one-op experts (`moe_experts`) off: the
-    per-expert loop of torch GEMMs that sparse layers ran before it."""
+def _without(engine: Engine, names: tuple[str, ...], run):
+    """`run()` with the compiled kernels' ops `names` (`moe_block`, `moe_experts`) off:
+    sparse layers then fall back to the next path (`rollout.model.moe.sparse_mlp`)."""
     ops = engine.model._ops
-    grouped = getattr(ops, "moe_experts", None)
-    if grouped is None:
-        return run()
-    ops.moe_experts = None
+    saved = {name: getattr(ops, name, None) for name in names}
+    for name in names:
+        setattr(ops, name, None)
     try:
         return run()
     finally:
-        ops.moe_experts = grouped
+        for name, op in saved.items():
+            setattr(ops, name, op)
 
 
 def _rate(tokens: int, seconds: float) -> float:
@@ -107,8 +114,9 @@ def _print(report: dict) -> None:
     routed = ", ".join(f"{x:.2f}" for x in report["routed_ratios"])
     print(f"engine / transformers: {statistics.median(report['ratios']):.2f}x (rounds {ratios})")
     print(f"with routed experts:   {statistics.median(report['routed_ratios']):.2f}x (rounds {routed})")
-    loop = ", ".join(f"{x:.2f}" for x in report["loop_ratios"])
-    print(f"expert loop (before):  {statistics.median(report['loop_ratios']):.2f}x (rounds {loop})")
+    for title, key in (("experts op (before):", "moe_experts_ratios"), ("expert loop:", "loop_ratios")):
+        ratios = ", ".join(f"{x:.2f}" for x in report[key])
+        print(f"{title:22} {statistics.median(report[key]):.2f}x (rounds {ratios})")
 
 
 if __name__ == "__main__":
