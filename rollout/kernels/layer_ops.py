@@ -40,7 +40,7 @@ class CompiledOps:
     """
 
     name = "compiled"
-    fuses_qk_norm = False  # the model applies q/k norms with torch's ops first
+    fuses_qk_norm = False  # the model applies q/k norms first (`head_rms_norm_`, in place on q and k)
     paged_prefill = None  # prefill chunks gather their pages and run SDPA (`rollout.model.attention`)
     device_sample = None
     tables_in_place = False  # decode graphs (CUDA only) never run these
@@ -50,6 +50,7 @@ class CompiledOps:
         self.rms_norm = lib.rms_norm
         self.add_rms_norm_ = lib.add_rms_norm_
         self.silu_mul = lib.silu_mul
+        self.head_rms_norm_ = lib.head_rms_norm_
         self.moe_block = lib.moe_block  # a whole sparse layer, float32 (`rollout.model.moe`)
         self.moe_experts = lib.moe_experts  # its experts alone: the op before moe_block
         self.paged_decode = lib.paged_decode
