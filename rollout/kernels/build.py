@@ -1,7 +1,8 @@
 """The engine's compiled CPU kernels (`csrc/`), built at first use.
 
 - `paged_decode`: decode attention read in place from the paged KV pool.
-- `moe_experts`: a sparse layer's experts, the threads sharing the experts.
+- `moe_block`: a whole sparse layer (router, top-k, experts, combine) in one op;
+  `moe_experts`: its experts alone, the threads sharing the experts (the op before it).
 - `rms_norm`, `add_rms_norm_`, `rope_and_cache_`, `silu_mul`: a decoder
   layer's float32 elementwise steps, one op each instead of 2-14 torch ops.
 - `decode_layers`: every decoder layer of a pure-decode step in one op,
@@ -51,6 +52,7 @@ SOURCES = tuple(
         "decode_layers.cpp",
         "skinny_linear.cpp",
         "moe_experts.cpp",
+        "moe_block.cpp",
         "score_block.cpp",
         "delta_encode.cpp",
     )

@@ -6,7 +6,8 @@ the same signatures, those of the compiled CPU ops (`csrc/`):
 
 - `rms_norm(x, weight, eps, out)`, `add_rms_norm_(h, delta, weight, eps, out)`,
   `silu_mul(gate_up, out)`: a layer's elementwise steps, one launch each;
-- `moe_experts` (or None): a sparse layer's experts in one op (`rollout.model.moe`);
+- `moe_block` (or None): a whole sparse layer in one op, and `moe_experts` (or
+  None): its experts alone in one op (`rollout.model.moe`);
 - `norm_rope_and_cache_(q, k, v, q_norm, k_norm, eps, positions, cos, sin,
   k_cache, v_cache, slots) -> q`: the q/k RMSNorms (qwen3; None where the model
   has none, and always None for a backend whose `fuses_qk_norm` is False: the
@@ -39,7 +40,7 @@ class CompiledOps:
     """
 
     name = "compiled"
-    fuses_qk_norm = False  # the model applies q/k norms with torch's ops first
+    fuses_qk_norm = False  # the model applies q/k norms first (`head_rms_norm_`, in place on q and k)
     paged_prefill = None  # prefill chunks gather their pages and run SDPA (`rollout.model.attention`)
     device_sample = None
     tables_in_place = False  # decode graphs (CUDA only) never run these
@@ -49,7 +50,9 @@ class CompiledOps:
         self.rms_norm = lib.rms_norm
         self.add_rms_norm_ = lib.add_rms_norm_
         self.silu_mul = lib.silu_mul
-        self.moe_experts = lib.moe_experts  # a sparse layer's experts, float32 (`rollout.model.moe`)
+        self.head_rms_norm_ = lib.head_rms_norm_
+        self.moe_block = lib.moe_block  # a whole sparse layer, float32 (`rollout.model.moe`)
+        self.moe_experts = lib.moe_experts  # its experts alone: the op before moe_block
         self.paged_decode = lib.paged_decode
         self.sample_rows = lib.sample_rows
         self.score_block = lib.score_block
@@ -73,7 +76,7 @@ class TritonOps:
     name = "triton"
     fuses_qk_norm = True
     lib = None
-    moe_experts = None  # sparse layers loop over experts with torch's GEMMs
+    moe_block = moe_experts = None  # sparse layers loop over experts with torch's GEMMs
     sample_rows = None
     score_block = None
     tables_in_place = True

@@ -60,6 +60,9 @@ def sparse_mlp(x: torch.Tensor, block: SparseMLP, moe: MoeConfig, ops=None) -> t
     """
     t, h = x.shape
     e, k, inter = moe.num_experts, moe.top_k, moe.intermediate_size
+    whole = getattr(ops, "moe_block", None)
+    if whole is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        return whole(x.contiguous(), block.router, block.experts_gate_up, block.experts_down, k, moe.norm_topk_prob)
     logits = F.linear(x, block.router)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, k, dim=-1)

@@ -30,6 +30,16 @@ void check_rows(const at::Tensor& t, const char* name, int64_t width) {
               "] with contiguous rows, got ", t.sizes());
 }
 
+// y = w * (x * rsqrt(mean(x^2) + eps)) over one row; y may be x.
+inline void norm_row(const float* x, const float* w, int64_t width, float eps, float* y) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < width; ++i) sum = madd(x[i], x[i], sum);
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) y[i] = w[i] * (x[i] * inv);
+}
+
 // out = weight * (h * rsqrt(mean(h^2) + eps)), row by row; with `delta`, h += delta first (in place).
 void rms_norm_rows(at::Tensor& h, const at::Tensor* delta, const at::Tensor& weight, double eps, at::Tensor& out) {
   const int64_t rows = h.size(0), width = h.size(1);
@@ -57,13 +67,7 @@ void rms_norm_rows(at::Tensor& h, const at::Tensor* delta, const at::Tensor& wei
 #pragma omp simd
         for (int64_t i = 0; i < width; ++i) x[i] = x[i] + d[i];
       }
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < width; ++i) sum = madd(x[i], x[i], sum);
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + feps);
-      float* y = op + r * os;
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) y[i] = wp[i] * (x[i] * inv);
+      norm_row(x, wp, width, feps, op + r * os);
     }
   });
 }
@@ -116,6 +120,27 @@ void rope_and_store(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
 }  // namespace
 
 namespace rollout_cpu {
+
+// x [T, heads, D] (any strides but the last) normalised in place over D, head by head:
+// qwen3's q and k norms, on views of the fused qkv projection's output.
+void head_rms_norm_(at::Tensor x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
+              "head_rms_norm_ takes a float32 CPU tensor [T, heads, D] contiguous in D, got ", x.sizes());
+  const int64_t heads = x.size(1), width = x.size(2);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.size(0) == width &&
+                  weight.is_contiguous(),
+              "weight must be a contiguous float32 [", width, "]");
+  float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, x.size(0) * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = xp + r / heads * s0 + r % heads * s1;
+      norm_row(row, wp, width, feps, row);
+    }
+  });
+}
 
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
   at::Tensor h = x;  // not written: no delta
@@ -193,6 +218,7 @@ TORCH_LIBRARY_FRAGMENT(rollout, m) {
       "rope_and_cache_(Tensor(a!) q, Tensor k, Tensor v, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots) -> ()");
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.def("head_rms_norm_(Tensor(a!) x, Tensor weight, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rollout, CPU, m) {
@@ -200,4 +226,5 @@ TORCH_LIBRARY_IMPL(rollout, CPU, m) {
   m.impl("add_rms_norm_", &rollout_cpu::add_rms_norm_);
   m.impl("rope_and_cache_", &rollout_cpu::rope_and_cache_);
   m.impl("silu_mul", &rollout_cpu::silu_mul);
+  m.impl("head_rms_norm_", &rollout_cpu::head_rms_norm_);
 }

@@ -195,6 +195,23 @@ def test_rms_norm_and_the_residual_add_match_torch():
     torch.testing.assert_close(out.double(), reference, rtol=2e-6, atol=1e-6)
 
 
+def test_head_rms_norm_normalises_each_head_of_a_strided_view_in_place():
+    """qwen3's q/k norms on views of the fused qkv output: each head over its own width,
+    against a float64 recompute; the columns outside the view stay as they were."""
+    g = torch.Generator().manual_seed(9)
+    qkv = torch.randn(13, 5 * 24 + 7, generator=g) * 3
+    before = qkv.clone()
+    heads = qkv[:, 7:].view(13, 5, 24)  # row stride 127, head stride 24
+    weight = torch.randn(24, generator=g)
+    cpu_ops().head_rms_norm_(heads, weight, 1e-6)
+    x = before[:, 7:].double().view(13, 5, 24)
+    reference = weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(heads.double(), reference, rtol=2e-6, atol=1e-6)
+    assert torch.equal(qkv[:, :7], before[:, :7])
+    with pytest.raises(RuntimeError, match=r"weight must be a contiguous float32 \[24\]"):
+        cpu_ops().head_rms_norm_(heads, weight[:12], 1e-6)
+
+
 def test_rope_and_cache_matches_the_rotary_table_and_pool_write():
     """q is rotated in place and rotated k and plain v land in the pool, bit for bit as the torch path."""
     g = torch.Generator().manual_seed(8)

@@ -221,3 +221,53 @@ def test_grouped_gemm_experts_match_float64():
         gate, up = (gate_up[e].double() @ rows[j].double()).chunk(2)
         ref = down[e].double() @ (torch.nn.functional.silu(gate) * up)
         assert (out[j].double() - ref).abs().max() < 1e-4 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "hidden", "inter", "norm"),
+    [(1, 5, 3, 37, 13, True), (100, 5, 3, 37, 13, False), (64, 16, 4, 64, 24, True)],
+)
+def test_whole_layer_op_matches_float64_at_any_shape(tokens, experts, top_k, hidden, inter, norm):
+    """`moe_block` (router, top-k, experts and combine in one op) against a float64
+    recompute and against the experts-only op after torch's routing, at one and two
+    threads: widths that are no multiple of the kernel's 8 lanes or 3 x 4 tiles,
+    experts with no token and with more rows than one work item (48)."""
+    from rollout.kernels.build import cpu_ops
+    from rollout.kernels.layer_ops import CompiledOps
+    from rollout.model.moe import sparse_mlp
+    from rollout.model.moe_config import MoeConfig
+
+    ops = CompiledOps(cpu_ops())
+    experts_only = copy.copy(ops)
+    experts_only.moe_block = None
+    moe = MoeConfig(experts, top_k, inter, norm, (True,), True)
+    g = torch.Generator().manual_seed(tokens + hidden)
+    block = torch.nn.Module()
+    block.router = torch.randn(experts, hidden, generator=g)
+    block.experts_gate_up = torch.randn(experts * 2 * inter, hidden, generator=g) * 0.2
+    block.experts_down = torch.randn(experts * hidden, inter, generator=g) * 0.2
+    x = torch.randn(tokens, hidden, generator=g) + 0.5 * block.router[0]  # expert 0 gets most tokens
+    ref, ref_experts = _float64_block(x, block, moe)
+    before, _ = sparse_mlp(x, block, moe, experts_only)
+    threads, outs = torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                out, chosen = ops.moe_block(x, block.router, block.experts_gate_up, block.experts_down, top_k, norm)
+            assert torch.equal(chosen, ref_experts)
+            assert (out.double() - ref).abs().max() < 1e-5 * max(1.0, ref.abs().max().item())
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])  # each value is one thread's work, summed in a fixed order
+    assert torch.allclose(outs[0], before, atol=1e-5, rtol=1e-5)
+    counts = torch.bincount(ref_experts.flatten(), minlength=experts)
+    if tokens == 100:
+        assert counts.max() > 48
+    if tokens == 1:
+        assert (counts == 0).any()
+    with pytest.raises(RuntimeError, match=rf"top_k must be in 1\.\.{experts}, got {experts + 1}"):
+        ops.moe_block(x, block.router, block.experts_gate_up, block.experts_down, experts + 1, norm)
+    with pytest.raises(RuntimeError, match=r"down \[E \* H, I\]"):
+        ops.moe_block(x, block.router, block.experts_gate_up, block.experts_down[1:], top_k, norm)
