@@ -6,6 +6,7 @@ loopback Host check (`security.py`).
     POST /v1/completions         text or token-id prompts; streaming or not
     POST /v1/chat/completions    chat messages, rendered by the checkpoint's own template
     GET  /metrics                Prometheus text
+    GET  /openapi.json           every route and request body (`openapi.py`)
     /tokenize, /detokenize, /tokenizer_info (vLLM's shapes; `tokenizer_routes.py`)
 
 Each prompt is one `TokenStream` on the backend, so concurrent requests
@@ -36,6 +37,7 @@ from .errors import APIError, from_validation, install_handlers
 from .events import events
 from .generation import ClientGone, InFlight, Ticket, cancel, outputs, start, wait_for_disconnect
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
+from .openapi import openapi
 from .responses import Reply, usage
 from .schemas import ChatRequest, CompletionRequest
 from .security import LoopbackHosts, check_bind, check_json, is_loopback
@@ -50,7 +52,7 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
     answers only loopback `Host` names; another one needs `config.api_key`
     (or `config.allow_no_key`), else `ValueError`."""
     check_bind(host, config.api_key, config.allow_no_key)
-    app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)  # every route is below
+    app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)  # `openapi.py` below
     metrics = Metrics()
     inflight = InFlight(config.max_inflight_requests, config.max_inflight_tokens)  # what generation routes admit
     answers = Answers(backend, config, metrics, inflight)
@@ -88,6 +90,13 @@ def create_app(backend: Backend, config: ServerConfig, host: str = "127.0.0.1") 
         return await answers.admit(request, ChatRequest, chat_job)
 
     install_tokenizer_routes(app, backend, config, auth.check, parse)  # /tokenize, /detokenize, /tokenizer_info
+    document = openapi(config)
+
+    @app.get("/openapi.json")
+    async def openapi_json(request: Request) -> dict:
+        auth.check(request)
+        return document
+
     return app
 
 

@@ -144,7 +144,9 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-        return APIError(error.status_code, str(error.detail), code=code).response()
+        response = APIError(error.status_code, str(error.detail), code=code).response()
+        response.headers.update(error.headers or {})  # a 405's `Allow`
+        return response
 
     @app.exception_handler(UnavailableError)
     async def _unavailable(request: Request, error: UnavailableError) -> JSONResponse:

@@ -54,7 +54,7 @@ def completion_job(req: CompletionRequest, config: ServerConfig, backend: Backen
 def chat_job(req: ChatRequest, config: ServerConfig, backend: Backend) -> Job:
     _check_common(req, config)
     if req.max_completion_tokens is not None:
-        _check_max_tokens(req.max_completion_tokens, config, "max_completion_tokens")
+        _check_max_tokens(req.max_completion_tokens, config, "max_completion_tokens", 1)
     messages = []
     for i, m in enumerate(req.messages):
         try:
@@ -113,12 +113,12 @@ def _check_common(req: CommonRequest, config: ServerConfig) -> None:
     if req.n > config.max_n:
         raise APIError(400, f"n must be <= {config.max_n} on this server, got {req.n}", "n")
     if req.max_tokens is not None:
-        _check_max_tokens(req.max_tokens, config, "max_tokens")
+        _check_max_tokens(req.max_tokens, config, "max_tokens", 0)  # 0: completions' echo only
 
 
-def _check_max_tokens(value: int, config: ServerConfig, name: str) -> None:
-    if value > config.max_tokens:
-        raise APIError(400, f"{name} must be <= {config.max_tokens} on this server, got {value}", name)
+def _check_max_tokens(value: int, config: ServerConfig, name: str, low: int) -> None:
+    if not low <= value <= config.max_tokens:
+        raise APIError(400, f"{name} must be in [{low}, {config.max_tokens}] on this server, got {value}", name)
 
 
 def _sampling_params(req: CommonRequest, max_tokens: int, prompt_field: str, top_logprobs: int) -> SamplingParams:

@@ -23,6 +23,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "n": 10**6}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1, "echo": True}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "seed": -3}, 400, "seed"),
@@ -46,6 +48,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": USER, "tools": "add"}, 400, "tools"),
     ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 10**9}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": -2}, 400, "max_tokens"),
 ]
 
 
@@ -67,6 +71,7 @@ def test_malformed_oversized_and_unrouted_requests(tiny_server):
         for method, route, status in [("GET", "/v2/anything", 404), ("GET", "/v1/completions", 405)]:
             response = http.request(method, route)
             assert response.status_code == status and response.json()["error"]["message"]
+        assert response.headers["allow"] == "POST"  # a 405 names the allowed methods (RFC 9110)
         assert http.post("/v1/completions", json={"prompt": "still fine", "max_tokens": 2}).status_code == 200
 
 
@@ -78,7 +83,7 @@ def test_the_api_key_guards_everything_but_health(tiny_server):
         wrong.completions.create(model="tiny", prompt="a", max_tokens=2)
     with tiny_server.http() as http:
         bare = {"Authorization": ""}
-        for route in ["/v1/models", "/metrics"]:
+        for route in ["/v1/models", "/metrics", "/openapi.json"]:
             assert http.get(route, headers=bare).status_code == 401
         for headers in [bare, {"Authorization": f"Basic {API_KEY}"}, {"Authorization": "Bearer"}]:
             response = http.post("/v1/chat/completions", json={"messages": USER}, headers=headers)
