@@ -28,8 +28,10 @@ def exact_match(completion, answer: str, **kwargs) -> float:
     return float(completion[-1]["content"].strip() == answer)
 
 
-@pytest.fixture(scope="module")
-def evaluation(tiny_server):
+# verifiers' plain chat client, asked for logprobs and token ids; and the token client prime-rl's
+# orchestrator trains with, which asks for both itself (its first turn is a plain chat completion).
+@pytest.fixture(scope="module", params=["OpenAIChatCompletionsClient", "OpenAIChatCompletionsTokenClient"])
+def evaluation(tiny_server, request):
     dataset = Dataset.from_list([{"question": q, "answer": a} for q, a in QUESTIONS])
     env = vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[exact_match]))
     openai = AsyncOpenAI(base_url=tiny_server.url + "/v1", api_key=tiny_server.api_key, max_retries=0)
@@ -39,7 +41,7 @@ def evaluation(tiny_server):
     async def run():
         try:
             return await env.evaluate(
-                vf.OpenAIChatCompletionsClient(openai),
+                getattr(vf.clients, request.param)(openai),
                 model="tiny",
                 sampling_args=sampling,
                 num_examples=len(QUESTIONS),
