@@ -164,3 +164,16 @@ def with_pushes(model, *states):
             for name, tensor in state.items():
                 live[name].copy_(tensor)
     return out
+
+
+def fail_launch(engine, monkeypatch, at: int) -> None:
+    """Make the engine's `at`-th step launch from now on raise `RuntimeError("device fell over")`."""
+    real, calls = engine.stepper.launch, {"n": 0}
+
+    def flaky(plan, staged=False):
+        calls["n"] += 1
+        if calls["n"] == at:
+            raise RuntimeError("device fell over")
+        return real(plan, staged)
+
+    monkeypatch.setattr(engine.stepper, "launch", flaky)

@@ -78,17 +78,6 @@ class BlockTables:
             self._dev[lo:hi].copy_(self._host_t[lo:hi], non_blocking=True)
 
 
-def _rows(n: int) -> np.ndarray:
-    """`np.arange(n)`, from one array kept and grown as steps need."""
-    global _ROWS
-    if len(_ROWS) < n:
-        _ROWS = np.arange(max(n, 2 * len(_ROWS)))
-    return _ROWS[:n]
-
-
-_ROWS = np.arange(256)
-
-
 def decode_slots(tables: torch.Tensor, positions: torch.Tensor, page_size: int, out: torch.Tensor) -> torch.Tensor:
     """KV slot of each decode row's token, `tables[i, p // page_size] * page_size + p % page_size`
     for `p = positions[i]`, computed on the tables' device into `out` (on the CPU in numpy:
@@ -96,7 +85,7 @@ def decode_slots(tables: torch.Tensor, positions: torch.Tensor, page_size: int, 
     if tables.device.type == "cpu":
         t, p, o = tables.numpy(), positions.numpy(), out.numpy()
         page = p // page_size
-        np.multiply(t[_rows(len(p)), page], page_size, out=o)
+        np.multiply(t[np.arange(len(p)), page], page_size, out=o)
         o += p - page * page_size
         return out
     return device_decode_slots(tables, positions, page_size, out)

@@ -14,6 +14,7 @@ import pytest
 
 from rollout import SamplingParams
 from tests.conftest import make_engine
+from tests.factories import fail_launch
 
 PROMPTS = [list(range(3, 30)), [5, 6, 7], list(range(40, 49)), [11] * 17]
 WAIT = 60
@@ -172,15 +173,7 @@ def test_abort_and_a_failed_step_leave_the_lagged_engine_exact(qwen2, monkeypatc
     gen.close()
     assert lagged.stats()["kv_pages_used"] == 0 and not lagged.scheduler.requests
     # A step that fails with a step in flight: the step before it is applied, the rest recomputed.
-    real, calls = lagged.stepper.launch, {"n": 0}
-
-    def flaky(plan, staged=False):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise RuntimeError("device fell over")
-        return real(plan, staged)
-
-    monkeypatch.setattr(lagged.stepper, "launch", flaky)
+    fail_launch(lagged, monkeypatch, at=5)
     with pytest.raises(RuntimeError, match="device fell over"):
         lagged.generate(PROMPTS, params)
     assert lagged.stats()["kv_pages_used"] == 0 and not lagged.scheduler.requests

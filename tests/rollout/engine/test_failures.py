@@ -10,6 +10,7 @@ import pytest
 from rollout import SamplingParams
 from rollout.engine import stepper as stepper_module
 from tests.conftest import make_engine
+from tests.factories import fail_launch
 
 PROMPTS = [list(range(3, 30)), [5, 6, 7]]
 PARAMS = SamplingParams(n=3, max_tokens=16, ignore_eos=True, seed=8)
@@ -30,15 +31,7 @@ def _assert_same(got, expected):
 def test_failing_step_surfaces_and_engine_recovers(qwen2, monkeypatch):
     engine = make_engine(qwen2.path)
     expected = _snapshot(engine.generate(PROMPTS, PARAMS))
-    real_step, calls = engine.stepper.launch, {"n": 0}
-
-    def flaky(plan, staged=False):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("device fell over")
-        return real_step(plan, staged)
-
-    monkeypatch.setattr(engine.stepper, "launch", flaky)
+    fail_launch(engine, monkeypatch, at=3)
     with pytest.raises(RuntimeError, match="device fell over"):
         engine.generate(PROMPTS, PARAMS)
     assert engine.stats()["kv_pages_used"] == 0 and not engine.scheduler.requests
