@@ -7,6 +7,7 @@ On the CPU there is nothing to wait for: staging is a copy and the fence a no-op
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from collections.abc import Sequence as Values
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -15,7 +16,6 @@ import torch
 
 from workspace import InferenceWorkspace
 
-from .plan import ScheduledChunk
 from .sequence import Sequence
 
 if TYPE_CHECKING:
@@ -79,17 +79,20 @@ class Staging:
             self._uploads_read.synchronize()
 
 
-def feed_in_flight(ws: InferenceWorkspace, chunks: list[ScheduledChunk], last_samplers: list[Sequence]) -> None:
+def feed_in_flight(
+    ws: InferenceWorkspace, spans: Iterable[tuple[Sequence, int, int]], last_samplers: list[Sequence]
+) -> None:
     """Rows whose input is a token the last launched step sampled (its result not
-    collected yet) take it from that step's out buffer (`last_samplers` are its rows), on the device."""
+    collected yet) take it from that step's out buffer (`last_samplers` are its rows), on
+    the device. `spans`: the step's `(sequence, start, length)` in order (`StepPlan.spans`)."""
     dst, src, offset, rows = [], [], 0, None
-    for c in chunks:
-        offset += c.length
-        if c.start + c.length > c.seq.num_tokens:  # its last input is still on the device
+    for seq, start, length in spans:
+        offset += length
+        if seq.pending and start + length > seq.num_tokens:  # its last input is still on the device
             if rows is None:
                 rows = {s.seq_id: r for r, s in enumerate(last_samplers)}
             dst.append(offset - 1)
-            src.append(rows[c.seq.seq_id])
+            src.append(rows[seq.seq_id])
     if dst:
         sampled = ws.buffer("out_tokens").index_select(0, to_device(src, ws.device))
         ws.buffer("input_ids").index_copy_(0, to_device(dst, ws.device), sampled)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from .sequence import Sequence
@@ -56,6 +58,13 @@ class StepPlan:
         if self._chunks is None:
             self._chunks = [ScheduledChunk(s, p, 1, [s]) for s, p in zip(self.decodes, self.starts, strict=True)]
         return self._chunks
+
+    def spans(self) -> Iterator[tuple[Sequence, int, int]]:
+        """`(sequence, start, length)` of each chunk in order, read from a pure decode's lists
+        without making its chunks."""
+        if self.decodes is not None:
+            return zip(self.decodes, self.starts, repeat(1))
+        return ((c.seq, c.start, c.length) for c in self._chunks)
 
     @property
     def is_empty(self) -> bool:

@@ -149,13 +149,13 @@ class Stepper:
         signature, spans = None, []
         if plan.pure_decode or _is_pure_decode(plan.chunks):
             signature = TaskSignature(plan.version, tuple(map(_seq_id, samplers)))
-            if not self.cache.prepare(signature, lambda: self._decode_rows(plan.chunks)):
+            if not self.cache.prepare(signature, lambda: self._decode_rows(plan)):
                 self._read_batch(samplers)  # a hit keeps the last batch's facts, and its fed tokens
-                feed_in_flight(self.ws, plan.chunks, self._last_samplers)
+                feed_in_flight(self.ws, plan.spans(), self._last_samplers)
             num_logits = num_rows
         else:
             num_logits = self._upload_general(plan.chunks)
-            feed_in_flight(self.ws, plan.chunks, self._last_samplers)
+            feed_in_flight(self.ws, plan.spans(), self._last_samplers)
             self._read_batch(samplers)
             spans = score_spans(plan.chunks)
         meta = self._attention_metadata(plan)
@@ -323,9 +323,12 @@ class Stepper:
         logprobs.copy_(torch.where(raw, lp, logprobs))
 
     # -- host-built inputs ---------------------------------------------------------------
-    def _decode_rows(self, chunks: list[ScheduledChunk]) -> DecodeRows:
-        seqs = [c.seq for c in chunks]
-        positions = [c.start for c in chunks]
+    def _decode_rows(self, plan: StepPlan) -> DecodeRows:
+        """The host truth of a pure decode's inputs (its rows read without making its chunks)."""
+        if plan.pure_decode:
+            seqs, positions = plan.decodes, plan.starts
+        else:  # a plan made of chunks that are all decodes (`_is_pure_decode`)
+            seqs, positions = [c.seq for c in plan.chunks], [c.start for c in plan.chunks]
         rows = list(range(len(seqs)))
         in_flight = [r for r, s in enumerate(seqs) if s.pending]  # fed on the device, see `feed_in_flight`
         return DecodeRows(
