@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 
@@ -177,3 +178,14 @@ def fail_launch(engine, monkeypatch, at: int) -> None:
         return real(plan, staged)
 
     monkeypatch.setattr(engine.stepper, "launch", flaky)
+
+
+class CountingOps:
+    """The compiled ops namespace, counting which ops the model looks up."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, collections.Counter()
+
+    def __getattr__(self, name):
+        self.calls[name] += 1
+        return getattr(self.ops, name)

@@ -113,11 +113,20 @@ class Model(nn.Module):
         self._narrow_onednn = self._narrow and self.gemm == "onednn" and onednn_bf16()
         self.packed = self._gemm_copies(pack=self.gemm == "onednn")
         # Pure-decode steps run all layers in one op (`decode_layers`) when every kernel it calls applies.
-        # q/k norms (qwen3) and sparse layers keep the Python loop.
-        self._one_op = self._cpu is not None and self.gemm == "onednn" and not cfg.qk_norm and cfg.moe is None
+        self._one_op = self._cpu is not None and self.gemm == "onednn"
         self._one_op &= self._narrow_onednn or not self._narrow
         self._biases = [b for layer in self.layers for b in (layer.qkv_bias, layer.o_bias)]
         self._norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
+        self._head_norms = [n for layer in self.layers for n in (layer.q_norm, layer.k_norm)] if cfg.qk_norm else []
+        self._experts = [
+            [] if (m := layer.mlp) is None else [m.router, m.experts_gate_up, m.experts_down] for layer in self.layers
+        ]
+        moe = cfg.moe
+        self._moe_args = (
+            ([-1] * cfg.num_layers, 1, False)
+            if moe is None
+            else ([-1 if i is None else i for i in moe.moe_index], moe.top_k, moe.norm_topk_prob)
+        )
         self._windows = [w or 0 for w in cfg.sliding_windows]
 
     def pack_weights(self) -> None:
@@ -241,11 +250,14 @@ class Model(nn.Module):
         kernels in the same order, without the interpreter between them; `h` is updated in place."""
         skinny = self._skinny(h.shape[0])
         weights = [
-            param if skinny else self._weight(name, param) for layer in self._projections for name, param in layer
+            w
+            for layer, experts in zip(self._projections, self._experts, strict=True)
+            for w in (*(param if skinny else self._weight(name, param) for name, param in layer), *experts)
         ]
         cfg, rotary = self.cfg, self.rotary
         self._cpu.decode_layers(
-            *(h, x, weights, self._biases, self._norms, cfg.rms_norm_eps, positions, rotary.cos, rotary.sin),
+            *(h, x, weights, self._biases, self._norms, self._head_norms, *self._moe_args, kv.routing),
+            *(cfg.rms_norm_eps, positions, rotary.cos, rotary.sin),
             *(kv.k, kv.v, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens),
             *(self._windows, self.scale, cfg.num_heads, skinny, self._narrow),
             [n for piece in gemm_plan(h.shape[0]) for n in piece],

@@ -13,16 +13,23 @@
 // Model._project; with `skinny` too, skinny_linear_bf16 does that rounding on
 // the plain float32 weights.
 //
-// Layout of the lists, for L layers: `weights` holds qkv, o, gate_up, down
-// per layer (packed or plain, as the caller chooses), `biases` qkv and o per
-// layer (None when absent), `norms` the input and post-attention RMSNorm
-// weights per layer, and `windows` each layer's sliding window (0: none).
+// Layout of the lists, for L layers: `weights` holds per layer qkv and o, then
+// gate_up and down for a dense layer, or the router, the experts' stacked
+// gate_up and their down for a sparse one (`moe_index[i]` >= 0: its index among
+// the sparse layers); the projections packed or plain, as the caller chooses.
+// `biases` holds qkv and o per layer (None when absent), `norms` the input and
+// post-attention RMSNorm weights per layer, `head_norms` qwen3's q and k norms
+// per layer (empty when the model has none), and `windows` each layer's sliding
+// window (0: none). A sparse layer runs `moe_block` (csrc/moe_block.cpp) and,
+// with `routing` (the KV pool's routing pages), stores the experts each token
+// went to at its KV slot, as KVPool.write_routing does.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -63,21 +70,31 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const st
 }
 
 void decode_layers(at::Tensor h, at::Tensor x, at::TensorList weights,
-                   const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms, double eps,
-                   const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-                   at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
-                   const at::Tensor& context_lens, at::IntArrayRef windows, double scale, int64_t num_heads,
-                   bool skinny, bool bf16, at::IntArrayRef gemm_plan) {
+                   const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms,
+                   at::TensorList head_norms, at::IntArrayRef moe_index, int64_t top_k, bool normalize,
+                   const std::optional<at::Tensor>& routing, double eps, const at::Tensor& positions, const at::Tensor& cos,
+                   const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                   const at::Tensor& block_tables, const at::Tensor& context_lens, at::IntArrayRef windows,
+                   double scale, int64_t num_heads, bool skinny, bool bf16, at::IntArrayRef gemm_plan) {
   const int64_t layers = static_cast<int64_t>(windows.size());
   TORCH_CHECK(layers >= 1, "decode_layers needs at least one layer");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == 2 * layers &&
-                  static_cast<int64_t>(norms.size()) == 2 * layers,
-              "decode_layers takes 4 weights, 2 biases and 2 norms per layer for ", layers, " layers; got ",
-              weights.size(), ", ", biases.size(), " and ", norms.size());
+  TORCH_CHECK(static_cast<int64_t>(moe_index.size()) == layers, "moe_index must have one entry per layer (",
+              layers, "), got ", moe_index.size());
+  std::vector<int64_t> first(layers + 1);  // each layer's first entry in `weights`
+  for (int64_t i = 0; i < layers; ++i) first[i + 1] = first[i] + (moe_index[i] >= 0 ? 5 : 4);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == first[layers] &&
+                  static_cast<int64_t>(biases.size()) == 2 * layers &&
+                  static_cast<int64_t>(norms.size()) == 2 * layers &&
+                  (head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers),
+              "decode_layers takes 4 weights (5 for a sparse layer), 2 biases, 2 norms and 0 or 2 head norms per "
+              "layer for ", layers, " layers; got ", weights.size(), ", ", biases.size(), ", ", norms.size(), " and ",
+              head_norms.size());
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == layers, "k_cache must be [", layers,
               ", pages, page_size, kv_heads, head_dim], got ", k_cache.sizes());
   TORCH_CHECK(h.dim() == 2 && x.sizes() == h.sizes(), "h and x must be [rows, hidden] alike, got ", h.sizes(), " and ",
               x.sizes());
+  TORCH_CHECK(!routing.has_value() || (routing->dim() == 4 && routing->size(3) == top_k),
+              "routing must be [sparse layers, pages, page_size, ", top_k, "]");
   int64_t planned = 0;
   bool plan_ok = gemm_plan.size() % 2 == 0 && !gemm_plan.empty();
   for (size_t i = 0; plan_ok && i < gemm_plan.size(); i += 2) {
@@ -103,24 +120,38 @@ void decode_layers(at::Tensor h, at::Tensor x, at::TensorList weights,
   };
   rollout_cpu::rms_norm(h, norms[0], eps, x);
   for (int64_t i = 0; i < layers; ++i) {
-    const at::Tensor qkv = linear(x, weights[4 * i], biases.get(2 * i));
+    const at::Tensor* w = weights.data() + first[i];
+    const at::Tensor qkv = linear(x, w[0], biases.get(2 * i));
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, head_dim});
+    if (!head_norms.empty()) {
+      rollout_cpu::head_rms_norm_(q, head_norms[2 * i], eps);
+      rollout_cpu::head_rms_norm_(k, head_norms[2 * i + 1], eps);
+    }
     const at::Tensor k_layer = k_cache.select(0, i), v_layer = v_cache.select(0, i);
     rollout_cpu::rope_and_cache_(q, k, v, positions, cos, sin, k_layer, v_layer, slots);
     at::Tensor attn = at::empty({rows, num_heads, head_dim}, x.options());
     rollout_cpu::paged_decode(q, k_layer, v_layer, block_tables, context_lens, attn, scale, windows[i]);
-    const at::Tensor o = linear(attn.view({rows, q_size}), weights[4 * i + 1], biases.get(2 * i + 1));
+    const at::Tensor o = linear(attn.view({rows, q_size}), w[1], biases.get(2 * i + 1));
     rollout_cpu::add_rms_norm_(h, o, norms[2 * i + 1], eps, x);
-    const at::Tensor gate_up = linear(x, weights[4 * i + 2], std::nullopt);
-    at::Tensor act = at::empty({rows, gate_up.size(1) / 2}, x.options());
-    rollout_cpu::silu_mul(gate_up, act);
-    const at::Tensor down = linear(act, weights[4 * i + 3], std::nullopt);
-    if (i + 1 < layers) {
-      rollout_cpu::add_rms_norm_(h, down, norms[2 * i + 2], eps, x);
+    at::Tensor mlp;
+    if (moe_index[i] >= 0) {
+      at::Tensor experts;
+      std::tie(mlp, experts) = rollout_cpu::moe_block(x, w[2], w[3], w[4], top_k, normalize);
+      if (routing.has_value()) {
+        routing->select(0, moe_index[i]).view({-1, top_k}).index_copy_(0, slots, experts.to(routing->scalar_type()));
+      }
     } else {
-      h.add_(down);
+      const at::Tensor gate_up = linear(x, w[2], std::nullopt);
+      at::Tensor act = at::empty({rows, gate_up.size(1) / 2}, x.options());
+      rollout_cpu::silu_mul(gate_up, act);
+      mlp = linear(act, w[3], std::nullopt);
+    }
+    if (i + 1 < layers) {
+      rollout_cpu::add_rms_norm_(h, mlp, norms[2 * i + 2], eps, x);
+    } else {
+      h.add_(mlp);
     }
   }
 }
@@ -129,7 +160,8 @@ void decode_layers(at::Tensor h, at::Tensor x, at::TensorList weights,
 
 TORCH_LIBRARY_FRAGMENT(rollout, m) {
   m.def(
-      "decode_layers(Tensor(a!) h, Tensor(b!) x, Tensor[] weights, Tensor?[] biases, Tensor[] norms, float eps, "
+      "decode_layers(Tensor(a!) h, Tensor(b!) x, Tensor[] weights, Tensor?[] biases, Tensor[] norms, "
+      "Tensor[] head_norms, int[] moe_index, int top_k, bool normalize, Tensor(e!)? routing, float eps, "
       "Tensor positions, Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots, "
       "Tensor block_tables, Tensor context_lens, int[] windows, float scale, int num_heads, bool skinny, "
       "bool bf16, int[] gemm_plan) -> ()");

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 
 namespace rollout_cpu {
 
@@ -17,6 +18,9 @@ void rope_and_cache_(at::Tensor q, const at::Tensor& k, const at::Tensor& v, con
                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                      const at::Tensor& slots);
 void silu_mul(const at::Tensor& gate_up, at::Tensor out);
+void head_rms_norm_(at::Tensor x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> moe_block(const at::Tensor& x, const at::Tensor& router, const at::Tensor& gate_up,
+                                             const at::Tensor& down, int64_t top_k, bool normalize);
 
 // Rows that skinny_linear takes at most (rollout.model.linear.SKINNY_MAX_ROWS, the same number).
 constexpr int64_t kSkinnyMaxRows = 2;

@@ -7,7 +7,6 @@ test_sampler.py."""
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import re
 
@@ -24,7 +23,7 @@ from rollout.model.decoder import rms_norm
 from rollout.model.linear import GEMM_CHUNK, SKINNY_MAX_ROWS, gemm_plan, onednn_linear, pick_linear
 from rollout.model.rope import RotaryTable
 from tests.conftest import make_engine
-from tests.factories import FAMILIES, hf_logprobs
+from tests.factories import FAMILIES, CountingOps, hf_logprobs
 from workspace import KVPool
 
 
@@ -333,23 +332,12 @@ def test_engine_compiled_kernels_match_the_torch_path(checkpoints, family):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
 
 
-class CountingOps:
-    """The compiled ops namespace, counting which ops the model looks up."""
-
-    def __init__(self, ops):
-        self.ops, self.calls = ops, collections.Counter()
-
-    def __getattr__(self, name):
-        self.calls[name] += 1
-        return getattr(self.ops, name)
-
-
 @pytest.mark.parametrize("family", FAMILIES)  # qwen2: q/k/v biases; qwen3: q/k norms; mistral: sliding window
 # 21 rows per step (padded to 22 for oneDNN) and 9; 2 and 1: skinny_linear's steps (SKINNY_MAX_ROWS)
 @pytest.mark.parametrize("n", [7, 3, 2, 1])
 def test_decode_layers_op_equals_the_python_layer_loop(checkpoints, family, n):
     """Pure-decode steps run every layer in one op, bit for bit as the Python
-    loop; prefill steps, and q/k-norm models throughout, keep the loop."""
+    loop (q/k norms too); prefill steps keep the loop."""
     params = SamplingParams(n=n, max_tokens=30, seed=5, ignore_eos=True)
     prompts = [list(range(3, 3 + k)) for k in (4, 19, 33)][: 3 if n > 2 else 1]
     results, calls = {}, {}
@@ -363,7 +351,7 @@ def test_decode_layers_op_equals_the_python_layer_loop(checkpoints, family, n):
         assert (counting.calls["skinny_linear"] > 0) == (n * len(prompts) <= SKINNY_MAX_ROWS)
     assert results[True] == results[False]
     decode_steps = max(len(tokens) for tokens, _ in results[True]) - 1  # the first step prefills
-    assert calls == {True: 0 if family == "qwen3" else decode_steps, False: 0}
+    assert calls == {True: decode_steps, False: 0}
 
 
 @pytest.mark.parametrize("rows", [1, 2])

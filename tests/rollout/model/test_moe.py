@@ -15,7 +15,7 @@ import torch
 from rollout import SamplingParams
 from rollout.model import ModelConfig
 from tests.conftest import make_engine
-from tests.factories import MOE_FAMILIES, hf_logprobs, with_pushes
+from tests.factories import MOE_FAMILIES, CountingOps, hf_logprobs, with_pushes
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(3, 28))]
 RAW = SamplingParams(n=2, max_tokens=10, ignore_eos=True, seed=5, logprobs_mode="raw")
@@ -68,6 +68,30 @@ def test_logprobs_and_greedy_tokens_match_transformers(moe_checkpoints, family, 
         ids = torch.tensor([out.prompt_token_ids])
         ref = ck.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
         assert out.samples[0].token_ids == ref[0, len(out.prompt_token_ids) :].tolist()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)  # qwen3_moe: q/k norms and a dense layer between sparse ones
+@pytest.mark.parametrize("n", [3, 1])  # 9 rows a step; 1: skinny_linear's projections beside the sparse layers
+def test_decode_layers_op_runs_sparse_layers_bit_for_bit_as_the_layer_loop(moe_checkpoints, family, n):
+    """Pure-decode steps of a mixture-of-experts model run every layer in one op
+    (`decode_layers` calling `moe_block`), with the same tokens, logprobs and routed
+    experts (written to the pages at each token's slot) as the Python loop."""
+    params = SamplingParams(n=n, max_tokens=12, ignore_eos=True, seed=3, return_routed_experts=True)
+    prompts = [p[: 3 + n] for p in (*PROMPTS, list(range(40, 60)))][: 3 if n > 1 else 1]
+    results, calls = {}, {}
+    for one_op in (True, False):
+        engine = make_engine(moe_checkpoints[family].path)
+        engine.model._one_op &= one_op
+        engine.model._cpu = counting = CountingOps(engine.model._cpu)
+        outs = engine.generate(prompts, params)
+        results[one_op] = [
+            (s.token_ids, s.logprobs, out.prompt_routed_experts.tolist(), s.routed_experts.tolist())
+            for out in outs
+            for s in out.samples
+        ]
+        calls[one_op] = counting.calls["decode_layers"]
+    assert results[True] == results[False]
+    assert calls == {True: params.max_tokens - 1, False: 0}  # the first step prefills
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
