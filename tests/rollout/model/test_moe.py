@@ -70,8 +70,9 @@ def test_logprobs_and_greedy_tokens_match_transformers(moe_checkpoints, family, 
         assert out.samples[0].token_ids == ref[0, len(out.prompt_token_ids) :].tolist()
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)  # qwen3_moe: q/k norms and a dense layer between sparse ones
-@pytest.mark.parametrize("n", [3, 1])  # 9 rows a step; 1: skinny_linear's projections beside the sparse layers
+# qwen3_moe: q/k norms and a dense layer between sparse ones; n: 9 rows a step, or 1 (skinny_linear's
+# projections beside the sparse layers)
+@pytest.mark.parametrize("family,n", [("qwen3_moe", 3), ("mixtral", 3), ("qwen3_moe", 1)])
 def test_decode_layers_op_runs_sparse_layers_bit_for_bit_as_the_layer_loop(moe_checkpoints, family, n):
     """Pure-decode steps of a mixture-of-experts model run every layer in one op
     (`decode_layers` calling `moe_block`), with the same tokens, logprobs and routed
