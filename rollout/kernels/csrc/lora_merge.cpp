@@ -42,8 +42,8 @@ namespace {
 
 constexpr int64_t kRows = 4;  // rows of one register block
 constexpr int64_t kCols = 16;  // columns of one register block (two AVX2 vectors)
-constexpr int64_t kPanel = 256;  // columns of A kept in cache while a group of rows passes (a multiple of kCols)
-constexpr int64_t kGroup = 32;  // rows per unit of parallel work (a multiple of kRows)
+constexpr int64_t kPanelBytes = 128 << 10;  // of A' kept in the second-level cache while a group of rows passes
+constexpr int64_t kGroup = 8;  // rows per unit of parallel work (a multiple of kRows): few streams of the base
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
@@ -165,14 +165,15 @@ bool rows(T* out, const T* base, const float* b, const float* a, int64_t r, int6
   return ok;
 }
 
-// Rows [begin, end) one panel of columns at a time, so the panel of A' (r x kPanel) stays in the
-// first-level cache while every row of the group passes over it.
+// Rows [begin, end) one panel of columns at a time, so the panel of A' (r x panel, kPanelBytes) stays in
+// cache while every row of the group passes over it.
 template <typename T>
 bool group(T* out, const T* base, const float* b, const float* a, int64_t r, int64_t cols, int64_t begin,
            int64_t end) {
   bool ok = true;
-  for (int64_t j0 = 0; j0 < cols; j0 += kPanel) {
-    const int64_t j1 = std::min(cols, j0 + kPanel);
+  const int64_t panel = std::max(kCols, kPanelBytes / (4 * r) / kCols * kCols);
+  for (int64_t j0 = 0; j0 < cols; j0 += panel) {
+    const int64_t j1 = std::min(cols, j0 + panel);
     for (int64_t i = begin; i < end; i += kRows) {
       switch (std::min(kRows, end - i)) {
         case 4: ok &= rows<T, 4>(out, base, b, a, r, cols, i, j0, j1); break;
