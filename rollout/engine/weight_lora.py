@@ -97,7 +97,7 @@ def merge(name: str, base: torch.Tensor, adapter: Adapter) -> torch.Tensor:
     """`base + scaling * B @ A` as a new tensor of `base`'s dtype and device (see `merge_into`)."""
     out = torch.empty_like(base, memory_format=torch.contiguous_format)
     if not merge_into(name, out, base, adapter):
-        raise ValueError(f"adapter of {name!r} makes values that overflow {base.dtype} (inf)")
+        raise ValueError(f"adapter of {name!r} makes values that are not finite in {base.dtype}")
     return out
 
 
@@ -217,6 +217,8 @@ class LoraBases:
         for name, adapter in adapters.items():
             current = live(name)
             if name in whole:
+                if not isinstance(whole[name], torch.Tensor) or not whole[name].is_floating_point():
+                    raise TypeError(f"state_dict[{name!r}] must be a floating-point torch.Tensor")
                 base = whole[name].to(current.device, current.dtype, copy=not keep_whole)
                 new_bases[name] = base
             elif name in self.bases:

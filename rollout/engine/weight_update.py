@@ -86,9 +86,9 @@ class WeightUpdater:
         """Every tensor a push sets, with what a delta or adapter push needs
         at commit. A plain push is itself; a delta push (`weight_delta`) is
         checked against `version` and its patches against the live
-        weights; an adapter push (`weight_lora`) names the merges
-        `stage_merges` runs over the kept bases. Raises `ValueError`/`TypeError` naming the first bad entry;
-        nothing changes here."""
+        weights; an adapter push (`weight_lora`) names the merges that
+        `stage_merges` runs over the kept bases. Raises `ValueError` or
+        `TypeError` naming the first bad entry; nothing changes here."""
         if not isinstance(state_dict, Mapping):
             return Expanded(None, state_dict, None)
         delta, adapters = is_delta(state_dict), has_adapters(state_dict)
@@ -264,7 +264,10 @@ class WeightUpdater:
             for name, slot in merges:
                 base, adapter = plan.merges[name]
                 if not merge_into(name, slot.view(buffer), base, adapter):
-                    raise ValueError(f"adapter of {name!r} makes values that overflow {buffer.dtype} (inf)")
+                    raise ValueError(
+                        f"adapter of {name!r} makes values that are not finite in {buffer.dtype} "
+                        "(the merge overflows, or the whole value sent with it holds NaN or inf)"
+                    )
         staged.kept = frozenset(self.slots[name].param_name for name in plan.from_live)
 
     def _needs_copy(self, slot: WeightSlot, where: torch.Tensor) -> bool:
