@@ -116,7 +116,7 @@ class RolloutWorker:
         slots = self.engine.model.weight_slots()
         tensors = unpack([assemble(b)[0] for b in buckets], manifest)
         if has_adapters(tensors):  # adapted tensors hold their base merged with the adapter
-            tensors = self.engine._updater.lora.expand(tensors, lambda name: slots[name].view()).full
+            tensors = self.engine._updater.lora.expand(tensors, lambda name: slots[name].view()).values()
         for name, tensor in tensors.items():
             live = slots[name].view()
             if not torch.equal(live, tensor.to(live.device, live.dtype)):

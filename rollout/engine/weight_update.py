@@ -36,7 +36,7 @@ import torch
 from ..model.decoder import Model
 from ..model.weight_slots import WeightSlot
 from .weight_delta import BASE, changed_at, is_delta, put, split
-from .weight_lora import LoraBases, LoraPlan, has_adapters
+from .weight_lora import LoraBases, LoraPlan, has_adapters, merge_into
 
 
 @dataclass(slots=True)
@@ -52,6 +52,7 @@ class StagedUpdate:
     base: int | None = None  # a delta's base version: the commit refuses to install it over any other
     restores: bool = False  # it sets every weight that a sleep discarded (see `rollout.engine.sleep`)
     lora: LoraPlan | None = None  # what the commit does to the adapter bases (None: nothing)
+    kept: frozenset[str] = frozenset()  # parameters whose replaced storage becomes adapter bases (not spare)
     patches: list[tuple[WeightSlot, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # (slot, where (`weight_delta.changed_at`), values) a delta writes into the live weights at commit, after the swaps
 
@@ -81,20 +82,20 @@ class WeightUpdater:
         self._adopted: set[str] = set()  # parameters whose live storage is the caller's memory
         self.lora = LoraBases()  # base weights of the tensors adapter pushes set
 
-    def expand(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Expanded:
+    def expand(self, state_dict: Mapping[str, torch.Tensor], version: int, adopt: bool = False) -> Expanded:
         """Every tensor a push sets, with what a delta or adapter push needs
         at commit. A plain push is itself; a delta push (`weight_delta`) is
         checked against `version` and its patches against the live
-        weights; an adapter push (`weight_lora`) is merged over the kept
-        bases. Raises `ValueError`/`TypeError` naming the first bad entry;
-        nothing changes here."""
+        weights; an adapter push (`weight_lora`) names the merges that
+        `stage_merges` runs over the kept bases. Raises `ValueError` or
+        `TypeError` naming the first bad entry; nothing changes here."""
         if not isinstance(state_dict, Mapping):
             return Expanded(None, state_dict, None)
         delta, adapters = is_delta(state_dict), has_adapters(state_dict)
         if delta and adapters:
             raise ValueError("a push cannot carry both a delta and adapters")
         if adapters:
-            plan = self.lora.expand(state_dict, self._live_view)
+            plan = self.lora.expand(state_dict, self._live_view, keep_live=self.rebind, keep_whole=adopt)
             return Expanded(None, plan.full, plan)
         cleared = LoraPlan({}, {}, frozenset(k for k in state_dict if not delta or k != BASE))
         if not delta:
@@ -161,7 +162,9 @@ class WeightUpdater:
                     "but this model ties them (tie_word_embeddings=true)"
                 )
 
-    def stage(self, items: list[tuple[WeightSlot, torch.Tensor]], adopt: bool = False) -> StagedUpdate:
+    def stage(
+        self, items: list[tuple[WeightSlot, torch.Tensor]], adopt: bool = False, own: frozenset[str] = frozenset()
+    ) -> StagedUpdate:
         """Prepare what the commit installs; live weights are untouched.
 
         By default every tensor is copied into staging buffers, so the caller
@@ -169,7 +172,8 @@ class WeightUpdater:
         the caller promises the tensors never change while the engine uses
         them: sources on the engine's device and dtype are then installed
         without a staging copy (on the host, adopted as the live weights
-        until a later update replaces them).
+        until a later update replaces them). Parameters in `own` get a
+        staging buffer whatever `adopt` says (adapter merges write into it).
         """
         by_param: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
         for slot, tensor in items:  # a tied duplicate maps onto the same rows: the first is kept
@@ -178,13 +182,13 @@ class WeightUpdater:
         adopted = set()
         for pname, parts in by_param.items():
             live = self._live[pname]
-            source = _whole(live, parts) if adopt else None
+            source = _whole(live, parts) if adopt and pname not in own else None
             if source is not None and self.rebind:
                 staged.swaps[pname] = source
                 adopted.add(pname)
             elif source is not None:
                 staged.copies.append((live, source))
-            elif adopt and not self.rebind and all(_same_kind(t, live) for t in parts.values()):
+            elif adopt and pname not in own and not self.rebind and all(_same_kind(t, live) for t in parts.values()):
                 staged.copies.extend((live.narrow(0, start, rows), t) for (start, rows), t in parts.items())
             else:
                 buffer = staged.staging[pname] = self._stage_param(pname, parts)
@@ -228,6 +232,44 @@ class WeightUpdater:
                 staged.patches.append((slot, where, values))
                 staged.nbytes += values.nbytes
 
+    def stage_merges(self, staged: StagedUpdate, plan: LoraPlan | None) -> None:
+        """Add an adapter push's merges to `staged`: each writes `base +
+        scaling * B @ A` straight into its parameter's staging buffer (a
+        spare one when there is one; the parameter's other rows copied from
+        the live value), which the commit then installs like a whole push's.
+        The merge runs here, in phase one, so the commit stays a rebind (or
+        a device copy) and cannot fail; live weights are untouched. Raises
+        `ValueError` when a merge overflows the dtype."""
+        if plan is None or not plan.merges:
+            return
+        by_param: dict[str, list[tuple[str, WeightSlot]]] = {}
+        for name in plan.merges:
+            slot = self.slots[name]
+            by_param.setdefault(slot.param_name, []).append((name, slot))
+        for pname, merges in by_param.items():
+            buffer = staged.staging.get(pname)
+            if buffer is None:
+                live = self._live[pname]
+                buffer = self._spare.pop(pname, None)
+                if buffer is None:
+                    buffer = torch.empty_like(live)
+                if sum(slot.rows for slot in {(s.start, s.rows): s for _, s in merges}.values()) < live.shape[0]:
+                    buffer.copy_(live)  # the rows no adapter sets keep their value
+                staged.staging[pname] = buffer
+                if self.rebind:
+                    staged.swaps[pname] = buffer
+                else:
+                    staged.copies.append((live, buffer))
+                staged.nbytes += buffer.nbytes
+            for name, slot in merges:
+                base, adapter = plan.merges[name]
+                if not merge_into(name, slot.view(buffer), base, adapter):
+                    raise ValueError(
+                        f"adapter of {name!r} makes values that are not finite in {buffer.dtype} "
+                        "(the merge overflows, or the whole value sent with it holds NaN or inf)"
+                    )
+        staged.kept = frozenset(self.slots[name].param_name for name in plan.from_live)
+
     def _needs_copy(self, slot: WeightSlot, where: torch.Tensor) -> bool:
         if not self.rebind:  # a device's live weights are the engine's own; graphs hold their pointers
             return False
@@ -263,7 +305,7 @@ class WeightUpdater:
             for pname, new in staged.swaps.items():
                 param = self._live[pname]
                 old, param.data = param.data, new
-                if pname not in self._adopted and pname not in staged.adopted:
+                if pname not in self._adopted and pname not in staged.adopted and pname not in staged.kept:
                     self._spare[pname] = old  # owned and replaced by owned: the next staging buffer
                 self._adopted.discard(pname)
             self._adopted |= staged.adopted

@@ -67,14 +67,21 @@ class WeightsAPI:
         self._check_open()
         with self._update_lock:
             restores = self._before_push(state_dict, isinstance(state_dict, Mapping) and is_delta(state_dict))
-            base, state_dict, lora, patches = self._updater.expand(state_dict, self._guard.version)
-            if not state_dict and not patches and (base is not None or lora is not None):
+            base, state_dict, lora, patches = self._updater.expand(state_dict, self._guard.version, adopt)
+            merges = lora.merges if lora is not None else {}
+            if not state_dict and not patches and not merges and (base is not None or lora is not None):
                 # a delta, or adapters, that change nothing: the version moves
                 return StagedUpdate([], {}, {}, frozenset(), 0, base=base, restores=restores, lora=lora)
-            whole = state_dict or not patches  # a delta of patches alone has no whole tensor to check
+            whole = state_dict or not (patches or merges)  # patches or merges alone have no whole tensor to check
             items = self._updater.validate(state_dict, check_finite=not verified_finite) if whole else []
-            staged = self._updater.stage(items, adopt=adopt)
+            own = frozenset(self._updater.slots[name].param_name for name in merges)
+            staged = self._updater.stage(items, adopt=adopt, own=own)
             self._updater.stage_patches(staged, patches, check_finite=not verified_finite)
+            try:
+                self._updater.stage_merges(staged, lora)
+            except BaseException:
+                self._updater.release(staged)
+                raise
             staged.base, staged.restores, staged.lora = base, restores, lora
             return staged
 

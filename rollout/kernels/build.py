@@ -15,6 +15,9 @@
 - `delta_compare`, `delta_scatter`: a delta push's compare against the
   trainer's copy in one pass, and the scatter of changed elements
   (`rollout.engine.weight_delta`).
+- `lora_merge`: an adapter push's `base + scaling * B @ A`, accumulated in
+  float32 registers and rounded once, written straight into the target
+  (`rollout.engine.weight_lora`).
 - `score_block`: teacher-forced logprobs (and top k) folded one vocabulary
   block of logits at a time, an online logsumexp (`rollout.engine.scoring`).
 
@@ -55,6 +58,7 @@ SOURCES = tuple(
         "moe_block.cpp",
         "score_block.cpp",
         "delta_encode.cpp",
+        "lora_merge.cpp",
     )
 )
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("vec_math.h", "kernels.h"))

@@ -13,6 +13,7 @@ import torch
 from rollout import SamplingParams
 from rollout.cluster.actor import RolloutWorker, weight_aliases
 from rollout.cluster.published import compose
+from rollout.engine.weight_lora import Adapter, merge_torch
 from tests.conftest import make_engine
 from tests.factories import hf_logprobs, pack_state
 from trainer_bridge import TrainerBridge
@@ -100,6 +101,16 @@ def test_bad_adapters_are_refused_by_name(qwen2):
         ({name + "@lora.A": torch.zeros(4, 32), name + "@lora.B": b, name + "@lora.scaling": s}, r"\(64, 32\)"),
         ({name + "@lora.A": a, name + "@lora.B": b, name + "@lora.scaling": s * float("nan")}, "finite"),
         ({"x.weight@lora.A": a, "x.weight@lora.B": b, "x.weight@lora.scaling": s}, "not a parameter"),
+        ({name + "@lora.A": a + 1e20, name + "@lora.B": b + 1e20, name + "@lora.scaling": s}, "not finite"),
+        (
+            {
+                name: torch.full((64, 64), float("nan")),
+                name + "@lora.A": a,
+                name + "@lora.B": b,
+                name + "@lora.scaling": s,
+            },
+            "not finite",
+        ),
     ]:
         with pytest.raises(ValueError, match=needle):
             engine.update_weights(state)
@@ -131,3 +142,50 @@ def test_a_replacement_loading_composed_adapter_pushes_holds_the_merged_weights(
     probe.update_weights(whole)
     for name, slot in probe.model.weight_slots().items():
         assert torch.equal(slot.view(), worker.engine.model.weight_slots()[name].view()), name
+
+
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def _adapters(slots, seed: int, r: int = 8) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(2):
+        for proj in PROJECTIONS[: 7 - layer]:  # layer 1: not down_proj
+            name = f"model.layers.{layer}.{proj}.weight"
+            rows, cols = slots[name].shape
+            out[name + "@lora.A"] = torch.randn(r, cols, generator=g) * 0.1
+            out[name + "@lora.B"] = torch.randn(rows, r, generator=g) * 0.1
+            out[name + "@lora.scaling"] = torch.tensor([1.5], dtype=torch.float64)
+    return out
+
+
+def test_bf16_adapter_pushes_equal_torch_s_merge_over_the_kept_base_bit_for_bit(qwen2):
+    # The engine's host path (the compiled merge into reused staging buffers, the replaced storage kept as
+    # the base) against torch's merge of the checkpoint's own bf16 values: X, Y, a discarded Z, then X again.
+    engine = make_engine(qwen2.path, dtype="bfloat16")
+    slots = engine.model.weight_slots()
+    before = {name: slot.view().clone() for name, slot in slots.items()}
+    pushes = [_adapters(slots, seed) for seed in range(3)]
+    for step, state in enumerate([pushes[0], pushes[1], None, pushes[0]]):
+        if state is None:  # a push prepared and dropped changes nothing, its buffers go back
+            engine.discard_weights(engine.prepare_weights(pushes[2]))
+            continue
+        engine.update_weights(state)
+        for name, slot in slots.items():
+            want = before[name]
+            if name + "@lora.A" in state:
+                want = torch.empty_like(before[name])
+                merge_torch(want, before[name], Adapter(state[name + "@lora.A"], state[name + "@lora.B"], 1.5))
+                assert not torch.equal(want, before[name])
+            assert torch.equal(slot.view(), want), (step, name)
+    bases = engine._updater.lora.bases
+    assert len(bases) == 13 and all(torch.equal(t, before[name]) for name, t in bases.items())
