@@ -111,9 +111,12 @@ def merge_into(name: str, out: torch.Tensor, base: torch.Tensor, adapter: Adapte
     `lora_merge` (csrc/lora_merge.cpp): one read of the base and one write of
     `out`, the products accumulated in registers. Its arithmetic (A scaled
     first, an FMA per rank step from k = 0, the base added, rounded to
-    nearest even) is what torch's float32 `addmm` does on the host (oneDNN),
-    so both paths give the same bits (tests compare them); `merge_torch` is
-    the path elsewhere (a device, no compiler, float16 and float64)."""
+    nearest even) is what torch's float32 `addmm` does on the host with
+    oneDNN's kernel, so on such hosts both paths give the same bits (other
+    BLAS kernels may sum in another order: the tests hold the kernel to a
+    float64 recompute and to torch's rounding where the sum is exact);
+    `merge_torch` is the path elsewhere (a device, no compiler, float16 and
+    float64)."""
     rows, cols = adapter.b.shape[0], adapter.a.shape[1]
     if base.dim() != 2 or tuple(base.shape) != (rows, cols):
         raise ValueError(f"adapter of {name!r} makes a ({rows}, {cols}) update; the tensor is {tuple(base.shape)}")

@@ -13,7 +13,7 @@ import torch
 from rollout import SamplingParams
 from rollout.cluster.actor import RolloutWorker, weight_aliases
 from rollout.cluster.published import compose
-from rollout.engine.weight_lora import Adapter, merge_torch
+from rollout.engine.weight_lora import Adapter, merge
 from tests.conftest import make_engine
 from tests.factories import hf_logprobs, pack_state
 from trainer_bridge import TrainerBridge
@@ -168,9 +168,10 @@ def _adapters(slots, seed: int, r: int = 8) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_bf16_adapter_pushes_equal_torch_s_merge_over_the_kept_base_bit_for_bit(qwen2):
+def test_bf16_adapter_pushes_merge_over_the_kept_base_bit_for_bit(qwen2):
     # The engine's host path (the compiled merge into reused staging buffers, the replaced storage kept as
-    # the base) against torch's merge of the checkpoint's own bf16 values: X, Y, a discarded Z, then X again.
+    # the base) against one merge of the checkpoint's own bf16 values, X, Y, a discarded Z, then X again:
+    # bit for bit (no merge over a merged value, no leftover of Z) and within one bf16 rounding of float64.
     engine = make_engine(qwen2.path, dtype="bfloat16")
     slots = engine.model.weight_slots()
     before = {name: slot.view().clone() for name, slot in slots.items()}
@@ -183,8 +184,10 @@ def test_bf16_adapter_pushes_equal_torch_s_merge_over_the_kept_base_bit_for_bit(
         for name, slot in slots.items():
             want = before[name]
             if name + "@lora.A" in state:
-                want = torch.empty_like(before[name])
-                merge_torch(want, before[name], Adapter(state[name + "@lora.A"], state[name + "@lora.B"], 1.5))
+                a, b = state[name + "@lora.A"], state[name + "@lora.B"]
+                want = merge(name, before[name], Adapter(a, b, 1.5))
+                exact = before[name].double() + 1.5 * b.double() @ a.double()
+                torch.testing.assert_close(want.double(), exact, rtol=2**-8, atol=1e-6)
                 assert not torch.equal(want, before[name])
             assert torch.equal(slot.view(), want), (step, name)
     bases = engine._updater.lora.bases
