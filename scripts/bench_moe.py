@@ -11,8 +11,9 @@ engine also returns routed experts in one more timed row
 (`return_routed_experts=True`), with the whole sparse layer's op
 (`moe_block`) off so that the experts alone run in one op after torch's
 routing (`engine_moe_experts`, the op before it), and with both off
-(`engine_expert_loop`: the per-expert loop of torch GEMMs). `--threads` sets torch's intra-op threads
-for both sides (default: torch's own choice). `--profile` instead splits one
+(`engine_expert_loop`: the per-expert loop of torch GEMMs); those two rows run decode steps
+through the Python layer loop, as before the one-op decode (`decode_layers`) took sparse layers.
+`--threads` sets torch's intra-op threads for both sides (default: torch's own choice). `--profile` instead splits one
 generate of each side by op (torch.profiler self times, decode steps of 64
 rows apart from the rest), the engine with `moe_block` and without it (whose
 torch routing ops and experts-only op show the sparse layer's parts).
@@ -96,20 +97,27 @@ def main() -> None:
 
 def _without(engine: Engine, names: tuple[str, ...], run):
     """`run()` with the compiled kernels' ops `names` (`moe_block`, `moe_experts`) off:
-    sparse layers then fall back to the next path (`rollout.model.moe.sparse_mlp`)."""
-    ops = engine.model._ops
+    sparse layers then fall back to the next path (`rollout.model.moe.sparse_mlp`),
+    and decode steps to the Python layer loop (the one-op decode calls `moe_block`)."""
+    model = engine.model
+    ops, one_op = model._ops, model._one_op
     saved = {name: getattr(ops, name, None) for name in names}
     for name in names:
         setattr(ops, name, None)
+    model._one_op = False
     try:
         return run()
     finally:
+        model._one_op = one_op
         for name, op in saved.items():
             setattr(ops, name, op)
 
 
 # Profile categories: an op by name, a GEMM by its weight's shape (`_gemm_names`).
 _OPS = {
+    # A pure-decode step's layers in one op: its own kernels (sparse layers, attention, norms) as
+    # its self time; its GEMMs go through the dispatcher and are counted as GEMMs.
+    "rollout::decode_layers": "layers' kernels in one op (decode_layers)",
     "rollout::moe_block": "sparse layer, one op (moe_block)",
     "rollout::moe_experts": "expert GEMMs + SiLU + scaling (moe_experts)",
     "aten::index_add_": "combine (index_add_)",
