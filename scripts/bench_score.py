@@ -19,14 +19,15 @@ Rounds alternate the sides; tokens/s counts every token of the sequences.
 
 The floor of each engine side (docs/scoring.md, "Throughput and its floor"):
 the layers' GEMMs for the tokens the side computes (the engine's
-`computed_tokens`: the prefix cache spares a prefill and a responses-only
-score the prompts a group's earlier samples brought there, never a score of
-every position) and the LM head's GEMM for the rows it projects (the scored
-rows and each sequence's last row, which samples), at the GEMM rates measured
-in the same run (`gemm_rates`, once a round, the best taken: every layer
-projection's packed weight at 512 rows, the head in the fused path's row
-blocks and slices); and "prefill + head": the prefill's measured time per
-computed token plus the side's extra head rows at the head's GEMM rate.
+`computed_tokens`: the prefix cache spares a prefill and a score the prompt
+pages a group's earlier samples brought there) and the LM head's GEMM for the
+rows it projects (a score: the positions it scores that no earlier sequence
+of the call shares, `shared_scores`; a prefill: each sequence's last), at the
+GEMM rates measured in the same run (`gemm_rates`, once a round, the best
+taken: every layer projection's packed weight at 512 rows, the head in the
+fused path's row blocks and slices); and "prefill + head": the prefill's
+measured time per computed token plus the side's extra head rows at the
+head's GEMM rate.
 
     .venv/bin/python -m scripts.bench_score [--rounds 3] [--hf-batch 8] [--n 8]
 """
@@ -42,6 +43,7 @@ import torch
 
 from rollout import Engine, SamplingParams
 from rollout.engine.scoring import FUSED_ROWS, FUSED_VOCAB
+from rollout.engine.shared_scores import plan_shares
 from rollout.model.linear import GEMM_CHUNK, onednn_linear
 from scripts.bench_real import Workload
 from scripts.host import describe
@@ -128,6 +130,13 @@ def gemm_rates(engine: Engine, repeats: int = 3) -> tuple[float, float]:
     return layer_rate, head_rate
 
 
+def scored_rows(seqs: list[list[int]], starts: list[int]) -> int:
+    """Rows a score of `seqs` from `starts` projects through the head: each sequence's
+    positions from its start on that no earlier sequence shares (`plan_shares`)."""
+    shares = plan_shares(seqs, starts)
+    return sum(len(s) - (b if share is None else share.end) for s, b, share in zip(seqs, starts, shares, strict=True))
+
+
 def random_sequences(n: int, length: int, vocab: int) -> tuple[list[list[int]], list[int]]:
     """`--random`: 16 x `n` sequences of `length` random token ids, the first half a "prompt"
     (scoring's cost does not depend on the tokens: no generation needed first)."""
@@ -160,12 +169,12 @@ def run(rounds: int, hf_batch: int, n: int, random_length: int = 0) -> dict:
     ref = hf_forward(hf, seqs[:8], hf_batch)
     diff = max((torch.tensor(s.logprobs[1:]) - r).abs().max().item() for s, r in zip(check, ref, strict=True))
     print(f"{work.name}: {len(seqs)} sequences, {tokens} tokens; max |score - transformers| {diff:.2e}", flush=True)
-    responses = sum(len(s) - b for s, b in zip(seqs, starts, strict=True))
-    head_rows = {  # rows each side projects through the LM head: those scored and each sequence's last
-        "score, every position": tokens,
-        "score, every position, unfused": tokens,
-        "score, responses (start=prompt)": responses + len(seqs),
-        "score, responses, top-20": responses + len(seqs),
+    every, responses = scored_rows(seqs, [1] * len(seqs)), scored_rows(seqs, starts)
+    head_rows = {  # rows each side projects through the LM head: those it scores, or each one's last (prefill)
+        "score, every position": every,
+        "score, every position, unfused": every,
+        "score, responses (start=prompt)": responses,
+        "score, responses, top-20": responses,
         "engine prefill (max_tokens=1)": len(seqs),
     }
     times: dict[str, list[float]] = {name: [] for name in sides}
