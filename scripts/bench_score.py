@@ -104,7 +104,7 @@ def layer_flops(cfg) -> int:
     return 2 * cfg.num_layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i)
 
 
-def gemm_rates(engine: Engine, repeats: int = 3) -> tuple[float, float]:
+def gemm_rates(engine: Engine, repeats: int = 5) -> tuple[float, float]:
     """FLOP/s of the layers' projections (each packed weight at `GEMM_CHUNK` rows, the
     prefill's chunk) and of the LM head (`FUSED_ROWS` rows through `head_slices`, as the
     fused score runs it), the best of `repeats`; (0, 0) without oneDNN's packed weights."""
