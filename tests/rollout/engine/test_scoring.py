@@ -322,3 +322,24 @@ def test_a_commit_between_a_donor_and_its_sharer_scores_the_sharer_alone(qwen2, 
     assert [r.prompt_scores.start for r in made] == [1, 10, 1]  # the two requests, then the sharer alone
     _check(donor, _reference(qwen2.hf, seqs[0]), seqs[0], 1)
     _check(sharer, _reference(_load(qwen2.hf, state), seqs[1]), seqs[1], 1)
+
+
+def test_an_abort_mid_score_yields_every_sharing_sequence_once(qwen2):
+    """Aborted after the first step: every sequence is yielded once, the sharing ones with
+    what their donor computed, each computed logprob transformers' and the rest None."""
+    generations = []
+
+    def abort_once(info):
+        if len(generations) == 1:
+            generations.append(generations[0].abort())
+
+    engine = make_engine(qwen2.path, max_batch_size=4, max_step_tokens=8, step_callback=abort_once)
+    seqs = [SEQS[0], SEQS[0][:20] + [90, 91], SEQS[0][:10]]
+    generations.append(score_requests.score_iter(engine, seqs, 1))
+    out = list(generations[0])
+    assert sorted(i for i, _ in out) == [0, 1, 2]
+    for i, scored in out:
+        ids, ref = seqs[i], _reference(qwen2.hf, seqs[i])
+        assert scored.index == i and scored.logprobs[9:] == [None] * (len(ids) - 9)  # the first step's 8 rows
+        for p in range(1, 9):
+            assert abs(scored.logprobs[p] - ref[p - 1, ids[p]].item()) < TOL
