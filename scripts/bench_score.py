@@ -17,6 +17,18 @@ scoring ran before `score_block`). The prefix cache is emptied before every time
 weight commit of one unchanged tensor), so no call reuses another's pages.
 Rounds alternate the sides; tokens/s counts every token of the sequences.
 
+The floor of each engine side (docs/scoring.md, "Throughput and its floor"):
+the layers' GEMMs for the tokens the side computes (the engine's
+`computed_tokens`: the prefix cache spares a prefill and a score the prompt
+pages a group's earlier samples brought there) and the LM head's GEMM for the
+rows it projects (a score: the positions it scores that no earlier sequence
+of the call shares, `shared_scores`; a prefill: each sequence's last), at the
+GEMM rates measured in the same run (`gemm_rates`, once a round, the best
+taken: every layer projection's packed weight at 512 rows, the head in the
+fused path's row blocks and slices); and "prefill + head": the prefill's
+measured time per computed token plus the side's extra head rows at the
+head's GEMM rate.
+
     .venv/bin/python -m scripts.bench_score [--rounds 3] [--hf-batch 8] [--n 8]
 """
 
@@ -25,11 +37,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from rollout import Engine, SamplingParams
+from rollout.engine.scoring import FUSED_ROWS, FUSED_VOCAB
+from rollout.engine.shared_scores import plan_shares
+from rollout.model.linear import GEMM_CHUNK, onednn_linear
 from scripts.bench_real import Workload
 from scripts.host import describe
 
@@ -83,6 +98,45 @@ def timed(fn) -> float:
     return CLOCK() - start
 
 
+def layer_flops(cfg) -> int:
+    """FLOPs of a token's pass through the layers' projections (2 per multiply-add)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return 2 * cfg.num_layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i)
+
+
+def gemm_rates(engine: Engine, repeats: int = 5) -> tuple[float, float]:
+    """FLOP/s of the layers' projections (each packed weight at `GEMM_CHUNK` rows, the
+    prefill's chunk) and of the LM head (`FUSED_ROWS` rows through `head_slices`, as the
+    fused score runs it), the best of `repeats`; (0, 0) without oneDNN's packed weights."""
+    model, cfg = engine.model, engine.model_config
+    if model.packed is None or model.gemm != "onednn":
+        return 0.0, 0.0
+    g = torch.Generator().manual_seed(0)
+    weights = [model.packed.weight(name) for name in model.packed.names if name not in ("embed", "lm_head")]
+    inputs = {w.shape[1]: torch.randn(GEMM_CHUNK, w.shape[1], generator=g) for w in weights}
+    h = torch.randn(FUSED_ROWS, cfg.hidden_size, generator=g)
+
+    def layers() -> None:
+        for w in weights:
+            onednn_linear(inputs[w.shape[1]], w)
+
+    def head() -> None:
+        for _ in model.head_slices(h, FUSED_VOCAB):
+            pass
+
+    flops = sum(2 * GEMM_CHUNK * w.shape[0] * w.shape[1] for w in weights)
+    layer_rate = flops / min(timed(layers) for _ in range(repeats))
+    head_rate = 2 * FUSED_ROWS * cfg.vocab_size * cfg.hidden_size / min(timed(head) for _ in range(repeats))
+    return layer_rate, head_rate
+
+
+def scored_rows(seqs: list[list[int]], starts: list[int]) -> int:
+    """Rows a score of `seqs` from `starts` projects through the head: each sequence's
+    positions from its start on that no earlier sequence shares (`plan_shares`)."""
+    shares = plan_shares(seqs, starts)
+    return sum(len(s) - (b if share is None else share.end) for s, b, share in zip(seqs, starts, shares, strict=True))
+
+
 def random_sequences(n: int, length: int, vocab: int) -> tuple[list[list[int]], list[int]]:
     """`--random`: 16 x `n` sequences of `length` random token ids, the first half a "prompt"
     (scoring's cost does not depend on the tokens: no generation needed first)."""
@@ -115,15 +169,55 @@ def run(rounds: int, hf_batch: int, n: int, random_length: int = 0) -> dict:
     ref = hf_forward(hf, seqs[:8], hf_batch)
     diff = max((torch.tensor(s.logprobs[1:]) - r).abs().max().item() for s, r in zip(check, ref, strict=True))
     print(f"{work.name}: {len(seqs)} sequences, {tokens} tokens; max |score - transformers| {diff:.2e}", flush=True)
+    every, responses = scored_rows(seqs, [1] * len(seqs)), scored_rows(seqs, starts)
+    head_rows = {  # rows each side projects through the LM head: those it scores, or each one's last (prefill)
+        "score, every position": every,
+        "score, every position, unfused": every,
+        "score, responses (start=prompt)": responses,
+        "score, responses, top-20": responses,
+        "engine prefill (max_tokens=1)": len(seqs),
+    }
     times: dict[str, list[float]] = {name: [] for name in sides}
+    computed: dict[str, int] = {}
+    gemm = []
     for k in range(rounds):
+        gemm.append(gemm_rates(engine))
         for name, fn in sides.items():
             if not name.startswith("transformers"):
                 clear_cache(engine)
+            before = engine.stats()["computed_tokens"]
             times[name].append(timed(fn))
+            computed[name] = engine.stats()["computed_tokens"] - before
             print(f"round {k + 1}: {name} {tokens / times[name][-1]:.0f} tokens/s", flush=True)
     rates = {name: [tokens / t for t in ts] for name, ts in times.items()}
-    return {"host": describe(), "model": work.name, "rows": len(seqs), "tokens": tokens, "rates": rates, "diff": diff}
+    layer_rate, head_rate = max(g[0] for g in gemm), max(g[1] for g in gemm)  # the least disturbed
+    cost = Cost(layer_flops(engine.model_config), 2 * engine.model_config.vocab_size * engine.model_config.hidden_size)
+    work_of = {name: (computed[name], rows) for name, rows in head_rows.items()}
+    return {
+        "host": describe(),
+        "model": work.name,
+        "rows": len(seqs),
+        "tokens": tokens,
+        "rates": rates,
+        "diff": diff,
+        "work": work_of,
+        "gemm": (layer_rate, head_rate),
+        "cost": cost,
+    }
+
+
+@dataclass(frozen=True)
+class Cost:
+    layer: int  # FLOPs of a token through the layers' projections
+    head: int  # FLOPs of a row through the LM head
+
+    def floor(self, tokens: int, work: tuple[int, int], rates: tuple[float, float]) -> float:
+        """tokens/s if the side's GEMMs (`work`: tokens computed, head rows) ran at `rates` and nothing else ran."""
+        return tokens / (work[0] * self.layer / rates[0] + work[1] * self.head / rates[1])
+
+    def over_prefill(self, tokens: int, work: tuple[int, int], prefill: tuple[int, int], seconds: float, rate) -> float:
+        """tokens/s of the prefill's measured time per computed token, plus the side's extra head rows at `rate`."""
+        return tokens / (seconds * work[0] / prefill[0] + (work[1] - prefill[1]) * self.head / rate)
 
 
 def main() -> None:
@@ -147,11 +241,24 @@ def main() -> None:
     print(describe() + ("; CPU time" if args.cpu_time else ""), flush=True)
     r = run(args.rounds, args.hf_batch, args.n, args.random)
     medians = {name: statistics.median(v) for name, v in r["rates"].items()}
-    hf, pre = medians["transformers forward"], medians["engine prefill (max_tokens=1)"]
+    prefill = "engine prefill (max_tokens=1)"
+    hf, pre = medians["transformers forward"], medians[prefill]
+    layer_rate, head_rate = r["gemm"]
+    cost, tokens, work = r["cost"], r["tokens"], r["work"]
+    print(f"GEMM rates: layers {layer_rate / 1e9:.0f} GFLOP/s, head {head_rate / 1e9:.0f} GFLOP/s; "
+          f"{cost.layer / 1e6:.0f} MFLOP a computed token, {cost.head / 1e6:.0f} MFLOP a head row")  # fmt: skip
     for name, rates in r["rates"].items():
         rounds = ", ".join(f"{x:.0f}" for x in rates)
-        print(f"{name:34s} {medians[name]:8.0f} tokens/s  {medians[name] / hf:5.2f}x transformers  "
-              f"{medians[name] / pre:5.2f}x prefill  (rounds {rounds})")  # fmt: skip
+        line = f"{name:34s} {medians[name]:8.0f} tokens/s  {medians[name] / hf:5.2f}x transformers  "
+        line += f"{medians[name] / pre:5.2f}x prefill"
+        if name in work and layer_rate:
+            floor = cost.floor(tokens, work[name], r["gemm"])
+            line += f"  computed {work[name][0]}, head rows {work[name][1]}: "
+            line += f"floor {floor:.0f} ({medians[name] / floor:.2f}x)"
+            if name != prefill:
+                over = cost.over_prefill(tokens, work[name], work[prefill], tokens / pre, head_rate)
+                line += f", prefill + head {over:.0f} ({medians[name] / over:.2f}x)"
+        print(f"{line}  (rounds {rounds})")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ validated before any request exists (see `scoring`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from ..chat import is_chat
@@ -13,6 +14,7 @@ from ..sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from .requests import PromptLimits, _tokenize
 from .scoring import PromptScores
 from .sequence import Request, Sequence
+from .shared_scores import ShareMerge, plan_shares
 from .streams import Generation
 
 
@@ -70,18 +72,74 @@ def check_score_args(
     return replace(params, n=1, top_k=min(params.top_k, limits.vocab_size), prompt_logprobs=k), starts
 
 
-def score_requests(sequences, top_logprobs: int, params, start, engine) -> list[Request]:
-    """Validated score-only requests of one `score` call; raises before creating any."""
+@dataclass(slots=True)
+class ScoreBatch:
+    """A score call's requests: `indices[i]` is request i's sequence in the call; the
+    sequences a `Share` covers whole run none (see `shared_scores`)."""
+
+    requests: list[Request]
+    indices: list[int]
+    merge: ShareMerge
+    params: SamplingParams
+    aborted: bool = False
+
+
+def _request(engine, ids: list[int], text: str | None, params: SamplingParams, first: int) -> Request:
+    request = Request(next(engine._request_ids), ids, params, 0, 0, frozenset(), text, score_only=True)
+    request.samples = [Sequence(next(engine._seq_ids), request, 0, list(ids))]
+    request.prompt_scores = PromptScores.new(len(ids), first, params.prompt_logprobs)
+    return request
+
+
+def score_requests(sequences, top_logprobs: int, params, start, engine) -> ScoreBatch:
+    """Validated score-only requests of one `score` call, each asking for the positions no
+    earlier sequence of the call shares with it; raises before creating any."""
     limits = PromptLimits.of(engine.config, engine.model_config)
     token_lists, texts = score_token_lists(sequences, engine.codec, limits.vocab_size)
     params, starts = check_score_args(token_lists, top_logprobs, params, start, limits)
-    requests = []
-    for ids, text, first in zip(token_lists, texts, starts, strict=True):
-        request = Request(next(engine._request_ids), ids, params, 0, 0, frozenset(), text, score_only=True)
-        request.samples = [Sequence(next(engine._seq_ids), request, 0, list(ids))]
-        request.prompt_scores = PromptScores.new(len(ids), first, params.prompt_logprobs)
-        requests.append(request)
-    return requests
+    merge = ShareMerge(token_lists, texts, starts, plan_shares(token_lists, starts), params.prompt_logprobs)
+    batch = ScoreBatch([], [], merge, params)
+    for i, (ids, text, first, share) in enumerate(zip(token_lists, texts, starts, merge.shares, strict=True)):
+        if merge.runs_request(i):
+            batch.requests.append(_request(engine, ids, text, params, first if share is None else share.end))
+            batch.indices.append(i)
+    return batch
+
+
+def _outputs(engine, batch: ScoreBatch) -> Iterator[tuple[int, ScoredSequence]]:
+    """(index, result) as sequences complete: a sharing one once its donor has too."""
+    merge, drive = batch.merge, engine._drive(batch.requests)
+    try:
+        for position, result in drive:
+            index = batch.indices[position]
+            merge.add(index, replace(result, index=index))
+            if merge.shares[index] is None:
+                yield index, merge.done[index]
+            while ready := merge.resolve():
+                for j, merged in ready:
+                    yield j, merged if merged is not None else _alone(engine, batch, j)
+    finally:
+        drive.close()
+
+
+def _alone(engine, batch: ScoreBatch, index: int) -> ScoredSequence:
+    """Sequence `index` scored again by a request of its own (its own positions and its
+    donor's were computed under different weights); after an abort, its own positions only."""
+    merge = batch.merge
+    if batch.aborted:
+        result = merge.own[index]
+    else:
+        ids, text = merge.token_lists[index], merge.texts[index]
+        request = _request(engine, ids, text, batch.params, merge.starts[index])
+        batch.requests.append(request)  # an abort ends it too
+        result = replace(dict(engine._drive([request]))[0], index=index)
+    merge.complete(index, result)
+    return result
+
+
+def _abort(engine, batch: ScoreBatch) -> None:
+    batch.aborted = True
+    engine._abort(list(batch.requests))
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +160,8 @@ def score_iter(engine, sequences, top_logprobs: int = 0, params=None, start=1) -
     finish; `abort()` ends the unfinished ones (their logprobs None where not computed)."""
     engine._check_open()
     engine._check_awake()
-    requests = score_requests(sequences, top_logprobs, params, start, engine)
-    return Generation(engine._drive(requests), lambda: engine._abort(requests))
+    batch = score_requests(sequences, top_logprobs, params, start, engine)
+    return Generation(_outputs(engine, batch), lambda: _abort(engine, batch))
 
 
 def run_score(engine, sequences, top_logprobs: int = 0, params=None, start=1) -> list[ScoredSequence]:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.engine import scoring
+from rollout.engine import score_requests, scoring
+from rollout.engine.shared_scores import Share, plan_shares
 from rollout.kernels import cpu_ops
 from tests.conftest import make_engine
 from tests.reference import processed_logprobs
@@ -264,3 +265,81 @@ def test_fused_scoring_in_slices_and_row_blocks_equals_transformers(qwen2, monke
     assert sorted(set(calls)) == [0, 40, 80]
     (greedy,) = engine.score(SEQS[:1], top_logprobs=2, params=SamplingParams(temperature=0.0))
     _check(greedy, _reference(qwen2.hf, SEQS[0]), SEQS[0], 2)
+
+
+def test_plan_shares_finds_the_longest_prefix_an_earlier_sequence_covers():
+    """Hand-worked: a sequence takes its wanted positions below the common prefix's length
+    from the earlier sequence with the longest such prefix whose `start` is not later."""
+    a = [1, 2, 3, 4, 5]
+    seqs = [a, a[:3] + [9, 9], a[:4], [7, 8], a[:3] + [9, 9, 6], a[:2] + [4], a]
+    starts = [2, 1, 2, 1, 3, 2, 4]
+    assert plan_shares(seqs, starts) == [
+        None,  # the first
+        None,  # shares 3 tokens with 0, but wants position 1, which 0 does not
+        Share(0, 4),  # positions 2, 3 from 0: inside it, no request
+        None,  # no common prefix
+        Share(1, 5),  # 1 (start 1) shares 5 tokens: positions 3, 4; its own from 5
+        None,  # shares 2 tokens with 0: position 1 only, below its start
+        Share(0, 5),  # identical to 0: every position
+    ]
+
+
+def test_sequences_sharing_a_prefix_score_it_once(qwen2):
+    """GRPO-like samples of one prompt, one inside another and one identical: every result
+    equals transformers'; the shared prompt's pages come from the prefix cache and its
+    positions are not computed again."""
+    prompt = list(range(3, 40))  # two full pages of 16
+    seqs = [prompt + [50, 51, 52], prompt + [60, 61], prompt[:30], prompt + [50, 51, 52], [5, 6] + prompt]
+    starts = [1, 1, 2, 1, 1]
+    engine = make_engine(qwen2.path, max_batch_size=4, max_step_tokens=24)  # the samples in different steps
+    before = engine.stats()
+    scored = engine.score(seqs, top_logprobs=2, start=starts)
+    after = engine.stats()
+    for s, ids, b in zip(scored, seqs, starts, strict=True):
+        _check(s, _reference(qwen2.hf, ids), ids, 2, start=b)
+        assert s.version == 0
+    assert [s.index for s in scored] == list(range(len(seqs)))
+    # Computed: 0 and 4 whole; 1 from position 36 (its page at 32: 32 cached); 2 and 3 nothing.
+    assert after["computed_tokens"] - before["computed_tokens"] == 40 + (39 - 32) + 39
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 32
+
+
+def test_a_commit_between_a_donor_and_its_sharer_scores_the_sharer_alone(qwen2, monkeypatch):
+    """The donor finishes under version 0, then a commit: the sharer's own positions come
+    from version 1, so it is scored again alone, every logprob of version 1."""
+    state, pushed, made = _perturbed(qwen2.hf), [], []
+    make = score_requests._request
+    monkeypatch.setattr(score_requests, "_request", lambda *args: made.append(make(*args)) or made[-1])
+
+    def push_after_donor(info):
+        if not pushed and made[0].prompt_scores.done:
+            pushed.append(engine.update_weights(state, inflight="keep"))
+
+    engine = make_engine(qwen2.path, max_batch_size=4, max_step_tokens=8, step_callback=push_after_donor)
+    seqs = [SEQS[0][:10], SEQS[0]]
+    donor, sharer = engine.score(seqs, top_logprobs=1)
+    assert pushed == [1] and (donor.version, sharer.version) == (0, 1)
+    assert [r.prompt_scores.start for r in made] == [1, 10, 1]  # the two requests, then the sharer alone
+    _check(donor, _reference(qwen2.hf, seqs[0]), seqs[0], 1)
+    _check(sharer, _reference(_load(qwen2.hf, state), seqs[1]), seqs[1], 1)
+
+
+def test_an_abort_mid_score_yields_every_sharing_sequence_once(qwen2):
+    """Aborted after the first step: every sequence is yielded once, the sharing ones with
+    what their donor computed, each computed logprob transformers' and the rest None."""
+    generations = []
+
+    def abort_once(info):
+        if len(generations) == 1:
+            generations.append(generations[0].abort())
+
+    engine = make_engine(qwen2.path, max_batch_size=4, max_step_tokens=8, step_callback=abort_once)
+    seqs = [SEQS[0], SEQS[0][:20] + [90, 91], SEQS[0][:10]]
+    generations.append(score_requests.score_iter(engine, seqs, 1))
+    out = list(generations[0])
+    assert sorted(i for i, _ in out) == [0, 1, 2]
+    for i, scored in out:
+        ids, ref = seqs[i], _reference(qwen2.hf, seqs[i])
+        assert scored.index == i and scored.logprobs[9:] == [None] * (len(ids) - 9)  # the first step's 8 rows
+        for p in range(1, 9):
+            assert abs(scored.logprobs[p] - ref[p - 1, ids[p]].item()) < TOL
