@@ -8,15 +8,14 @@ batch untimed (first-touch allocations); then `--repeats` rounds (default 2)
 time every side in turn, and the table shows the median tokens/s and the
 ratio of each round, as the machine's speed drifts between rounds. The
 engine also returns routed experts in one more timed row
-(`return_routed_experts=True`), with the whole sparse layer's op
-(`moe_block`) off so that the experts alone run in one op after torch's
-routing (`engine_moe_experts`, the op before it), and with both off
-(`engine_expert_loop`: the per-expert loop of torch GEMMs); those two rows run decode steps
-through the Python layer loop, as before the one-op decode (`decode_layers`) took sparse layers.
-`--threads` sets torch's intra-op threads for both sides (default: torch's own choice). `--profile` instead splits one
-generate of each side by op (torch.profiler self times, decode steps of 64
-rows apart from the rest), the engine with `moe_block` and without it (whose
-torch routing ops and experts-only op show the sparse layer's parts).
+(`return_routed_experts=True`), and runs once more with the whole sparse
+layer's op (`moe_block`) off (`engine_expert_loop`: torch's routing and the
+per-expert loop of torch GEMMs, decode steps through the Python layer loop).
+`--threads` sets torch's intra-op threads for both sides (default: torch's
+own choice). `--profile` instead splits one generate of each side by op
+(torch.profiler self times, decode steps of 64 rows apart from the rest), the
+engine with `moe_block` and without it (whose torch ops show the sparse
+layer's parts).
 
     python -m scripts.bench_moe [--repeats 2] [--threads N] [--profile] [--out runs/bench_moe.json]
 
@@ -59,12 +58,7 @@ def main() -> None:
         engine = Engine(tmp, device="cpu", max_batch_size=PROMPTS * N, max_seq_len=256, kv_cache_tokens=32 * 1024)
         sides = {
             "engine": lambda: time_engine(engine, prompts, params),
-            "engine_moe_experts": lambda: _without(
-                engine, ("moe_block",), lambda: time_engine(engine, prompts, params)
-            ),
-            "engine_expert_loop": lambda: _without(
-                engine, ("moe_block", "moe_experts"), lambda: time_engine(engine, prompts, params)
-            ),
+            "engine_expert_loop": lambda: _without_moe_block(engine, lambda: time_engine(engine, prompts, params)),
             "engine_routed": lambda: time_engine(engine, prompts, routed),
             "transformers": lambda: time_hf(hf, prompts, N, MAX_TOKENS, stop_ids=None),
         }
@@ -85,7 +79,6 @@ def main() -> None:
         "rounds": rounds,
         "median_tokens_per_s": {k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
         "ratios": [r["engine"] / r["transformers"] for r in rounds],
-        "moe_experts_ratios": [r["engine_moe_experts"] / r["transformers"] for r in rounds],
         "loop_ratios": [r["engine_expert_loop"] / r["transformers"] for r in rounds],
         "routed_ratios": [r["engine_routed"] / r["transformers"] for r in rounds],
     }
@@ -95,22 +88,16 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=1))
 
 
-def _without(engine: Engine, names: tuple[str, ...], run):
-    """`run()` with the compiled kernels' ops `names` (`moe_block`, `moe_experts`) off:
-    sparse layers then fall back to the next path (`rollout.model.moe.sparse_mlp`),
-    and decode steps to the Python layer loop (the one-op decode calls `moe_block`)."""
+def _without_moe_block(engine: Engine, run):
+    """`run()` with the compiled `moe_block` off: sparse layers then route with torch's
+    ops and loop over experts (`rollout.model.moe.sparse_mlp`), and decode steps run the
+    Python layer loop (the one-op decode calls `moe_block`)."""
     model = engine.model
-    ops, one_op = model._ops, model._one_op
-    saved = {name: getattr(ops, name, None) for name in names}
-    for name in names:
-        setattr(ops, name, None)
-    model._one_op = False
+    one_op, model._one_op, model._ops.moe_block = model._one_op, False, None
     try:
         return run()
     finally:
-        model._one_op = one_op
-        for name, op in saved.items():
-            setattr(ops, name, op)
+        model._one_op, model._ops.moe_block = one_op, model._ops.lib.moe_block
 
 
 # Profile categories: an op by name, a GEMM by its weight's shape (`_gemm_names`).
@@ -119,7 +106,6 @@ _OPS = {
     # its self time; its GEMMs go through the dispatcher and are counted as GEMMs.
     "rollout::decode_layers": "layers' kernels in one op (decode_layers)",
     "rollout::moe_block": "sparse layer, one op (moe_block)",
-    "rollout::moe_experts": "expert GEMMs + SiLU + scaling (moe_experts)",
     "aten::index_add_": "combine (index_add_)",
     "rollout::paged_decode": "attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
@@ -148,7 +134,7 @@ def _profile(sides) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     gemms, rows = _gemm_names(), PROMPTS * N
-    for name in ("engine", "engine_moe_experts", "transformers"):
+    for name in ("engine", "engine_expert_loop", "transformers"):
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             tokens, wall = sides[name]()
         seconds, flops = defaultdict(float), defaultdict(float)
@@ -185,11 +171,12 @@ def _print(report: dict) -> None:
     print(f"# {report['host']}; engine kernels={report['kernels']}, gemm={report['gemm']}")
     for name, rate in report["median_tokens_per_s"].items():
         print(f"{name:>16}: {rate:8.1f} tokens/s (median)")
-    ratios = ", ".join(f"{x:.2f}" for x in report["ratios"])
-    routed = ", ".join(f"{x:.2f}" for x in report["routed_ratios"])
-    print(f"engine / transformers: {statistics.median(report['ratios']):.2f}x (rounds {ratios})")
-    print(f"with routed experts:   {statistics.median(report['routed_ratios']):.2f}x (rounds {routed})")
-    for title, key in (("experts op (before):", "moe_experts_ratios"), ("expert loop:", "loop_ratios")):
+    rows = (
+        ("engine / transformers:", "ratios"),
+        ("with routed experts:", "routed_ratios"),
+        ("expert loop:", "loop_ratios"),
+    )
+    for title, key in rows:
         ratios = ", ".join(f"{x:.2f}" for x in report[key])
         print(f"{title:22} {statistics.median(report[key]):.2f}x (rounds {ratios})")
 

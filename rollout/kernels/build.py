@@ -1,8 +1,7 @@
 """The engine's compiled CPU kernels (`csrc/`), built at first use.
 
 - `paged_decode`: decode attention read in place from the paged KV pool.
-- `moe_block`: a whole sparse layer (router, top-k, experts, combine) in one op;
-  `moe_experts`: its experts alone, the threads sharing the experts (the op before it).
+- `moe_block`: a whole sparse layer (router, top-k, experts, combine) in one op.
 - `rms_norm`, `add_rms_norm_`, `rope_and_cache_`, `silu_mul`: a decoder
   layer's float32 elementwise steps, one op each instead of 2-14 torch ops.
 - `decode_layers`: every decoder layer of a pure-decode step in one op,
@@ -54,7 +53,6 @@ SOURCES = tuple(
         "sampler.cpp",
         "decode_layers.cpp",
         "skinny_linear.cpp",
-        "moe_experts.cpp",
         "moe_block.cpp",
         "score_block.cpp",
         "delta_encode.cpp",

@@ -6,13 +6,11 @@ the same signatures, those of the compiled CPU ops (`csrc/`):
 
 - `rms_norm(x, weight, eps, out)`, `add_rms_norm_(h, delta, weight, eps, out)`,
   `silu_mul(gate_up, out)`: a layer's elementwise steps, one launch each;
-- `moe_block` (or None): a whole sparse layer in one op, and `moe_experts` (or
-  None): its experts alone in one op (`rollout.model.moe`);
+- `moe_block` (or None): a whole sparse layer in one op (`rollout.model.moe`);
 - `norm_rope_and_cache_(q, k, v, q_norm, k_norm, eps, positions, cos, sin,
   k_cache, v_cache, slots) -> q`: the q/k RMSNorms (qwen3; None where the model
-  has none, and always None for a backend whose `fuses_qk_norm` is False: the
-  model applies them first), rotary on q and k, and the write of k and v to the
-  pool at `slots`; returns the rotated queries;
+  has none), rotary on q and k, and the write of k and v to the pool at
+  `slots`; returns the rotated queries;
 - `paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale,
   window)`: decode attention read in place from the pool;
 - `paged_prefill` (or None): prefill chunks attending to their cached pages in
@@ -40,7 +38,6 @@ class CompiledOps:
     """
 
     name = "compiled"
-    fuses_qk_norm = False  # the model applies q/k norms first (`head_rms_norm_`, in place on q and k)
     paged_prefill = None  # prefill chunks gather their pages and run SDPA (`rollout.model.attention`)
     device_sample = None
     tables_in_place = False  # decode graphs (CUDA only) never run these
@@ -50,9 +47,7 @@ class CompiledOps:
         self.rms_norm = lib.rms_norm
         self.add_rms_norm_ = lib.add_rms_norm_
         self.silu_mul = lib.silu_mul
-        self.head_rms_norm_ = lib.head_rms_norm_
         self.moe_block = lib.moe_block  # a whole sparse layer, float32 (`rollout.model.moe`)
-        self.moe_experts = lib.moe_experts  # its experts alone: the op before moe_block
         self.paged_decode = lib.paged_decode
         self.sample_rows = lib.sample_rows
         self.score_block = lib.score_block
@@ -62,8 +57,9 @@ class CompiledOps:
         return dtype == torch.float32 and torch.device(device).type == "cpu"
 
     def norm_rope_and_cache_(self, q, k, v, q_norm, k_norm, eps, positions, cos, sin, k_cache, v_cache, slots):
-        if q_norm is not None or k_norm is not None:
-            raise ValueError("the compiled kernels take q/k norms applied (fuses_qk_norm is False)")
+        if q_norm is not None:  # qwen3's norms, in place on the views of the qkv projection (one op each)
+            self.lib.head_rms_norm_(q, q_norm, eps)
+            self.lib.head_rms_norm_(k, k_norm, eps)
         self.lib.rope_and_cache_(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
         return q
 
@@ -74,9 +70,8 @@ class TritonOps:
     tables of any width, so decode graphs need not be keyed by it."""
 
     name = "triton"
-    fuses_qk_norm = True
     lib = None
-    moe_block = moe_experts = None  # sparse layers loop over experts with torch's GEMMs
+    moe_block = None  # sparse layers loop over experts with torch's GEMMs
     sample_rows = None
     score_block = None
     tables_in_place = True

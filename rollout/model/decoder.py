@@ -281,13 +281,9 @@ class Model(nn.Module):
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         if self._ops is not None:  # q/k norms, rotary, and the write of k and v to the pool
-            rotary, eps, q_norm, k_norm = self.rotary, cfg.rms_norm_eps, layer.q_norm, layer.k_norm
-            if q_norm is not None and not self._ops.fuses_qk_norm:  # the compiled kernels: in place, one op each
-                self._ops.head_rms_norm_(q, q_norm, eps)
-                self._ops.head_rms_norm_(k, k_norm, eps)
-                q_norm = k_norm = None
+            rotary = self.rotary
             q = self._ops.norm_rope_and_cache_(
-                *(q, k, v, q_norm, k_norm, eps, positions, rotary.cos, rotary.sin),
+                *(q, k, v, layer.q_norm, layer.k_norm, cfg.rms_norm_eps, positions, rotary.cos, rotary.sin),
                 *(kv.k[i], kv.v[i], meta.slot_mapping),
             )
         else:

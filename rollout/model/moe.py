@@ -14,8 +14,8 @@ token-expert pairs by expert: one gather, one gate/up and one down GEMM per
 expert that received tokens, and one `index_add_` back, in expert order as the
 reference accumulates. No loop runs over tokens; the loop over experts reads
 their counts on the host once per layer. On the CPU with the compiled kernels
-that loop is one op (`moe_experts`), whose threads share the experts rather
-than split each small GEMM.
+the whole layer is one op (`moe_block`, `csrc/moe_block.cpp`): routing,
+grouping, the experts and the combine, the threads sharing the experts.
 """
 
 from __future__ import annotations
@@ -53,10 +53,9 @@ def sparse_mlp(x: torch.Tensor, block: SparseMLP, moe: MoeConfig, ops=None) -> t
     """The sparse block on `x` `[T, H]`: its output `[T, H]` in `x`'s dtype and the
     experts each token went to, `[T, top_k]` int64 in descending gate order.
 
-    `ops`: the model's `layer_ops` backend, or None for torch's ops. Its
-    `silu_mul(gate_up, out)` takes the activation; where it has `moe_experts`
-    (the compiled CPU kernels, `csrc/moe_experts.cpp`) the whole loop over
-    experts runs there, the threads sharing the experts.
+    `ops`: the model's `layer_ops` backend, or None for torch's ops. Where it
+    has `moe_block` (the compiled CPU kernels) the whole layer is that op on
+    float32; elsewhere its `silu_mul(gate_up, out)` takes the activation.
     """
     t, h = x.shape
     e, k, inter = moe.num_experts, moe.top_k, moe.intermediate_size
@@ -75,10 +74,6 @@ def sparse_mlp(x: torch.Tensor, block: SparseMLP, moe: MoeConfig, ops=None) -> t
     tokens = order // k
     counts = torch.bincount(flat, minlength=e)
     pair_weights = weights.flatten().index_select(0, order)
-    grouped = getattr(ops, "moe_experts", None)
-    if grouped is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-        scaled = grouped(x.contiguous(), block.experts_gate_up, block.experts_down, tokens, counts, pair_weights)
-        return torch.zeros_like(x).index_add_(0, tokens, scaled), experts
     rows = x.index_select(0, tokens)
     gate_up = block.experts_gate_up.view(e, 2 * inter, h)
     down = block.experts_down.view(e, h, inter)
