@@ -19,8 +19,9 @@ from ..checks import is_int
 from ..engine.engine import Engine
 from ..engine.requests import PromptLimits
 from ..engine.score_requests import ScoreCall, score_iter
+from ..engine.weight_delta import all_finite
 from ..engine.weight_lora import has_adapters
-from ..engine.weight_update import StagedUpdate, all_finite
+from ..engine.weight_update import StagedUpdate
 from ..model.weight_slots import WeightSlot
 from ..outputs import RolloutOutput, Sample
 from ..sampling_params import SamplingParams

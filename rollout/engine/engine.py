@@ -363,14 +363,15 @@ class Engine(WeightsAPI, SleepAPI):
     def _one_step(self, pending: dict[int, Request], observe: Callable | None = None, seen: int = -1) -> StepOutcome:
         """One step of whatever the scheduler plans (other callers' sequences
         included), unless `pending` is all finished: its record (None when no
-        step ran), the results of the finished ones among `pending` (walked only
-        if a sample ended since `seen`), copied under the guard, where `observe()`
+        step ran), the results of the finished ones among `pending` (walked when
+        a sample ended since `seen` or all are), copied under the guard, where `observe()`
         runs too, and the errors of those a failed step was pinned on (see
         `step_failures`). Logged once the guard is released."""
         info, blocked = None, False
         with self._guard.step() as version:
             self._check_open()
-            if not all(r.is_finished for r in pending.values()):  # else: finished by another caller's steps
+            idle = all(r.is_finished for r in pending.values())  # finished by another caller's steps
+            if not idle:
                 started = time.perf_counter()
                 # Scheduling publishes the pages a step will write (prefix cache): if scheduling,
                 # the step or the update fails midway, none of what it touched is trusted.
@@ -386,7 +387,8 @@ class Engine(WeightsAPI, SleepAPI):
                         raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
             failed = self._failures.collect(pending)
             ended = {key for key, _ in failed}
-            walk, seen = pending.items() if ended or seen != self.scheduler.finishes else (), self.scheduler.finishes
+            walk = pending.items() if idle or ended or seen != self.scheduler.finishes else ()
+            seen = self.scheduler.finishes
             finished = [(i, r.result()) for i, r in walk if r.is_finished and i not in ended]
             if observe is not None:
                 observe()

@@ -108,7 +108,7 @@ def score_requests(sequences, top_logprobs: int, params, start, engine) -> Score
 
 def _outputs(engine, batch: ScoreBatch) -> Iterator[tuple[int, ScoredSequence]]:
     """(index, result) as sequences complete: a sharing one once its donor has too."""
-    merge, drive = batch.merge, engine._drive(batch.requests)
+    merge, drive = batch.merge, engine._drive(list(batch.requests))
     try:
         for position, result in drive:
             index = batch.indices[position]
@@ -116,25 +116,28 @@ def _outputs(engine, batch: ScoreBatch) -> Iterator[tuple[int, ScoredSequence]]:
             if merge.shares[index] is None:
                 yield index, merge.done[index]
             while ready := merge.resolve():
-                for j, merged in ready:
-                    yield j, merged if merged is not None else _alone(engine, batch, j)
+                yield from ((j, merged) for j, merged in ready if merged is not None)
+                yield from _again(engine, batch, [j for j, merged in ready if merged is None])
     finally:
         drive.close()
 
 
-def _alone(engine, batch: ScoreBatch, index: int) -> ScoredSequence:
-    """Sequence `index` scored again by a request of its own (its own positions and its
-    donor's were computed under different weights); after an abort, its own positions only."""
+def _again(engine, batch: ScoreBatch, indices: list[int]) -> Iterator[tuple[int, ScoredSequence]]:
+    """Sequences `indices` scored again, together, by requests of their own (each one's own
+    positions and its donor's were computed under different weights); after an abort, their
+    own positions only."""
     merge = batch.merge
     if batch.aborted:
-        result = merge.own[index]
+        results = [(j, merge.own[j]) for j in indices]
     else:
-        ids, text = merge.token_lists[index], merge.texts[index]
-        request = _request(engine, ids, text, batch.params, merge.starts[index])
-        batch.requests.append(request)  # an abort ends it too
-        result = replace(dict(engine._drive([request]))[0], index=index)
-    merge.complete(index, result)
-    return result
+        requests = [
+            _request(engine, merge.token_lists[j], merge.texts[j], batch.params, merge.starts[j]) for j in indices
+        ]
+        batch.requests.extend(requests)  # an abort ends them too
+        results = ((indices[i], replace(r, index=indices[i])) for i, r in engine._drive(requests))
+    for j, result in results:
+        merge.add(j, result)
+        yield j, result
 
 
 def _abort(engine, batch: ScoreBatch) -> None:

@@ -35,7 +35,7 @@ class Share:
 
 def plan_shares(token_lists: list[list[int]], starts: list[int]) -> list[Share | None]:
     """Per sequence, its `Share`, or None where no earlier sequence covers one of its wanted positions."""
-    root: list = [{}, 0, -1]  # a trie node: children by token, the least start through it, and whose
+    root: list = [{}, 0, -1]  # a trie node: children by token, the least start through it, and that sequence
     shares: list[Share | None] = []
     for j, (ids, start) in enumerate(zip(token_lists, starts, strict=True)):
         node, best = root, None
@@ -65,7 +65,12 @@ class ShareMerge:
         self.token_lists, self.texts, self.starts, self.shares, self.top = token_lists, texts, starts, shares, top
         self.done: dict[int, ScoredSequence] = {}  # call index -> complete result
         self.own: dict[int, ScoredSequence | None] = {}  # a sharing sequence's own result, once in
-        self.waiting = [j for j, s in enumerate(shares) if s is not None]  # sharing sequences not yet complete
+        self.waiting = {j for j, s in enumerate(shares) if s is not None}  # sharing sequences not yet complete
+        self.dependents: dict[int, list[int]] = {}  # donor -> the sequences sharing its prefix
+        for j, share in enumerate(shares):
+            if share is not None:
+                self.dependents.setdefault(share.donor, []).append(j)
+        self._due: list[int] = []  # waiting sequences that may have become complete
 
     def runs_request(self, index: int) -> bool:
         """Whether sequence `index` has positions of its own to compute."""
@@ -73,29 +78,35 @@ class ShareMerge:
         return share is None or share.end < len(self.token_lists[index])
 
     def add(self, index: int, result: ScoredSequence) -> None:
-        """The result of sequence `index`'s request (complete when it has no `Share`)."""
-        if self.shares[index] is None:
-            self.done[index] = result
-        else:
+        """The result of sequence `index`'s own request; complete when it has no `Share`, and
+        the result it gets scored again alone (see `resolve`)."""
+        if index in self.waiting and index not in self.own:
             self.own[index] = result
+            self._due.append(index)
+        else:
+            self._complete(index, result)
 
-    def complete(self, index: int, result: ScoredSequence) -> None:
-        """A sharing sequence's result scored again alone."""
+    def _complete(self, index: int, result: ScoredSequence) -> None:
+        self.waiting.discard(index)
+        self.own.pop(index, None)
         self.done[index] = result
+        self._due.extend(self.dependents.get(index, ()))
 
     def resolve(self) -> list[tuple[int, ScoredSequence | None]]:
         """The sharing sequences complete now, (index, result), each once; result None: its
-        own positions and its donor's are of different policy versions, score it again alone."""
+        own positions and its donor's are of different policy versions, so it is to be
+        scored again alone, its result then given to `add`."""
         out = []
-        for j in list(self.waiting):
+        while self._due:
+            j = self._due.pop()
             donor = self.done.get(self.shares[j].donor)
-            if donor is None or (self.runs_request(j) and j not in self.own):
+            if j not in self.waiting or donor is None or (self.runs_request(j) and j not in self.own):
                 continue
-            self.waiting.remove(j)
             merged = self.merge(j, self.own.get(j), donor)
             if merged is not None:
-                self.done[j] = merged
-                self.own.pop(j, None)
+                self._complete(j, merged)
+            else:
+                self.waiting.discard(j)  # resolved once: its result scored alone goes to `add`
             out.append((j, merged))
         return out
 

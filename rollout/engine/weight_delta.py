@@ -266,3 +266,22 @@ def _flat_nonzero(changed: torch.Tensor) -> torch.Tensor:
     if changed.device.type != "cpu":
         return changed.nonzero().view(-1)
     return torch.from_numpy(np.flatnonzero(changed.numpy()))
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether `t` holds no NaN or inf.
+
+    For float32/float64 a sum comes first: it is NaN or inf whenever an
+    element is (and, rarely, when finite values overflow) and is cheaper
+    than a min/max pass, so only a non-finite sum pays for the exact check.
+    That check is one reduction pass (NaN and +-inf reach the min or max)
+    that allocates nothing, where isfinite().all() builds a whole mask; for
+    16-bit dtypes it is the cheaper pass too, as a float32 sum of them
+    converts every element first (see docs/benchmarks.md).
+    """
+    if t.numel() == 0:
+        return True
+    if t.dtype in (torch.float32, torch.float64) and torch.isfinite(t.sum()):
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))

@@ -35,7 +35,7 @@ import torch
 
 from ..model.decoder import Model
 from ..model.weight_slots import WeightSlot
-from .weight_delta import BASE, changed_at, is_delta, put, split
+from .weight_delta import BASE, all_finite, changed_at, is_delta, put, split
 from .weight_lora import LoraBases, LoraPlan, has_adapters, merge_into
 
 
@@ -354,22 +354,3 @@ def _whole(live: torch.Tensor, parts: dict[tuple[int, int], torch.Tensor]) -> to
     if len(ordered) == 1:
         return first.view(live.shape)
     return first.new_empty(0).set_(storage, first.storage_offset(), live.shape)
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether `t` holds no NaN or inf.
-
-    For float32/float64 a sum comes first: it is NaN or inf whenever an
-    element is (and, rarely, when finite values overflow) and is cheaper
-    than a min/max pass, so only a non-finite sum pays for the exact check.
-    That check is one reduction pass (NaN and +-inf reach the min or max)
-    that allocates nothing, where isfinite().all() builds a whole mask; for
-    16-bit dtypes it is the cheaper pass too, as a float32 sum of them
-    converts every element first (see docs/benchmarks.md).
-    """
-    if t.numel() == 0:
-        return True
-    if t.dtype in (torch.float32, torch.float64) and torch.isfinite(t.sum()):
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))

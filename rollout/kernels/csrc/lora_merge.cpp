@@ -12,8 +12,9 @@
 // multiply-add (acc = fma(B[i, k], A'[k, j], acc), acc starting at 0); the
 // base is added (base + acc, in float32) and the sum rounded once to `out`'s
 // dtype: to nearest, ties to even, as torch's `.to(torch.bfloat16)` rounds.
-// That is the arithmetic of torch's host `addmm` (oneDNN), so both give the
-// same bits. Scalar tails (the last columns) use std::fma in the same order,
+// That is the order of operations of oneDNN's kernel for torch's host
+// `addmm`; the bits may still differ from torch's path, whose blocking and
+// kernel choice vary with the shape and the host. Scalar tails (the last columns) use std::fma in the same order,
 // so every element gets the same bits whatever its position. One read of
 // the base and one write of `out`; no float32 copy of the tensor. Groups of
 // rows run in parallel on torch's pool, each one panel of A' at a time.
@@ -32,6 +33,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "vec_math.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -52,14 +55,8 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// Round to nearest, ties to even, as c10::BFloat16 does (inputs here are never NaN:
-// the caller's operands are finite, so a sum is finite or +-inf, which rounds to itself).
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
+// Round to nearest, ties to even, as c10::BFloat16 does (vec_math.h's round_bf16).
+inline uint16_t float_to_bf16(float f) { return uint16_t(std::bit_cast<uint32_t>(round_bf16(f)) >> 16); }
 
 template <typename T>
 inline float load_one(const T* p) {

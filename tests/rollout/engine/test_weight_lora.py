@@ -98,6 +98,7 @@ def test_bad_adapters_are_refused_by_name(qwen2):
     for state, needle in [
         ({name + "@lora.A": a, name + "@lora.B": b}, "must have"),
         ({name + "@lora.A": a, name + "@lora.B": torch.zeros(64, 3), name + "@lora.scaling": s}, "one r"),
+        ({name + "@lora.A": a[:0], name + "@lora.B": b[:, :0], name + "@lora.scaling": s}, "r >= 1"),  # rank 0
         ({name + "@lora.A": torch.zeros(4, 32), name + "@lora.B": b, name + "@lora.scaling": s}, r"\(64, 32\)"),
         ({name + "@lora.A": a, name + "@lora.B": b, name + "@lora.scaling": s * float("nan")}, "finite"),
         ({"x.weight@lora.A": a, "x.weight@lora.B": b, "x.weight@lora.scaling": s}, "not a parameter"),
