@@ -16,6 +16,7 @@ from pydantic.json_schema import models_json_schema
 from .config import ServerConfig
 from .schemas import ChatRequest, CompletionRequest
 from .tokenizer_routes import DetokenizeRequest, TokenizeRequest
+from .translate import MIN_MAX_TOKENS
 
 _REF = "#/components/schemas/{model}"
 _ERROR = {
@@ -55,7 +56,7 @@ def openapi(config: ServerConfig) -> dict[str, Any]:
     for name in ("CompletionRequest", "ChatRequest"):
         fields = components[name]["properties"]
         _bound(fields["n"], 1, config.max_n)
-        _bound(fields["max_tokens"], 0, config.max_tokens)
+        _bound(fields["max_tokens"], MIN_MAX_TOKENS[name], config.max_tokens)
     _bound(components["ChatRequest"]["properties"]["max_completion_tokens"], 1, config.max_tokens)
     paths: dict[str, Any] = {}
     for path, what in _GETS.items():

@@ -113,7 +113,12 @@ def _check_common(req: CommonRequest, config: ServerConfig) -> None:
     if req.n > config.max_n:
         raise APIError(400, f"n must be <= {config.max_n} on this server, got {req.n}", "n")
     if req.max_tokens is not None:
-        _check_max_tokens(req.max_tokens, config, "max_tokens", 0)  # 0: completions' echo only
+        _check_max_tokens(req.max_tokens, config, "max_tokens", MIN_MAX_TOKENS[type(req).__name__])
+
+
+# The least `max_tokens` per request body (the OpenAPI document states the same bounds):
+# 0 on completions, an echo of the prompt alone.
+MIN_MAX_TOKENS = {"CompletionRequest": 0, "ChatRequest": 1}
 
 
 def _check_max_tokens(value: int, config: ServerConfig, name: str, low: int) -> None:

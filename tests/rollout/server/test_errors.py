@@ -50,6 +50,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 10**9}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": USER, "max_tokens": -2}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, 400, "max_tokens"),
 ]
 
 
