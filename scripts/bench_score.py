@@ -98,10 +98,10 @@ def timed(fn) -> float:
     return CLOCK() - start
 
 
-def layer_flops(cfg) -> int:
-    """FLOPs of a token's pass through the layers' projections (2 per multiply-add)."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return 2 * cfg.num_layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i)
+def layer_flops(engine: Engine) -> int:
+    """FLOPs of a token's pass through the layers' projections (2 per multiply-add), from
+    the projections' own shapes."""
+    return sum(2 * p.shape[0] * p.shape[1] for layer in engine.model._projections for _, p in layer)
 
 
 def gemm_rates(engine: Engine, repeats: int = 5) -> tuple[float, float]:
@@ -124,8 +124,7 @@ def gemm_rates(engine: Engine, repeats: int = 5) -> tuple[float, float]:
         for _ in model.head_slices(h, FUSED_VOCAB):
             pass
 
-    flops = sum(2 * GEMM_CHUNK * w.shape[0] * w.shape[1] for w in weights)
-    layer_rate = flops / min(timed(layers) for _ in range(repeats))
+    layer_rate = GEMM_CHUNK * layer_flops(engine) / min(timed(layers) for _ in range(repeats))
     head_rate = 2 * FUSED_ROWS * cfg.vocab_size * cfg.hidden_size / min(timed(head) for _ in range(repeats))
     return layer_rate, head_rate
 
@@ -191,7 +190,7 @@ def run(rounds: int, hf_batch: int, n: int, random_length: int = 0) -> dict:
             print(f"round {k + 1}: {name} {tokens / times[name][-1]:.0f} tokens/s", flush=True)
     rates = {name: [tokens / t for t in ts] for name, ts in times.items()}
     layer_rate, head_rate = max(g[0] for g in gemm), max(g[1] for g in gemm)  # the least disturbed
-    cost = Cost(layer_flops(engine.model_config), 2 * engine.model_config.vocab_size * engine.model_config.hidden_size)
+    cost = Cost(layer_flops(engine), 2 * engine.model_config.vocab_size * engine.model_config.hidden_size)
     work_of = {name: (computed[name], rows) for name, rows in head_rows.items()}
     return {
         "host": describe(),

@@ -130,7 +130,7 @@ class DeltaEncoder:
             where, values = parts
             out[name + (MASK if how == "mask" else INDEX)], out[name + VALUES] = where, values
             # A mask marks more than 1/32 of the tensor: copying it whole beats a scatter of so many elements
-            # (~5 ns apiece), where the caller's tensor stays as sent until the commit.
+            # (docs/weight_sync.md), where the caller's tensor stays as sent until the commit.
             pending[name] = ("copy", new.detach()) if stable and how == "mask" else (how, where, values)
         used_delta = counts["mask"] + counts["index"] + counts["unchanged"] > 0
         # Every tensor whole: a plain push, valid over any version.
@@ -196,7 +196,8 @@ class DeltaEncoder:
             self._scratch = np.empty(n, dtype=np.bool_)
         return torch.from_numpy(np.not_equal(_as_bits(new).numpy(), _as_bits(old).numpy(), out=self._scratch[:n]))
 
-    def _whole(self, new: torch.Tensor, old: torch.Tensor | None, stable: bool, borrow: bool) -> tuple:
+    @staticmethod
+    def _whole(new: torch.Tensor, old: torch.Tensor | None, stable: bool, borrow: bool) -> tuple:
         """What `commit` does for a tensor sent whole."""
         if borrow and new.device.type == "cpu":
             return ("borrow",)

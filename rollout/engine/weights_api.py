@@ -76,8 +76,8 @@ class WeightsAPI:
             items = self._updater.validate(state_dict, check_finite=not verified_finite) if whole else []
             own = frozenset(self._updater.slots[name].param_name for name in merges)
             staged = self._updater.stage(items, adopt=adopt, own=own)
-            self._updater.stage_patches(staged, patches, check_finite=not verified_finite)
-            try:
+            try:  # a refused patch or merge gives back the buffers staging took
+                self._updater.stage_patches(staged, patches, check_finite=not verified_finite)
                 self._updater.stage_merges(staged, lora)
             except BaseException:
                 self._updater.release(staged)
