@@ -29,7 +29,7 @@ class StepOutcome(NamedTuple):
     info: StepInfo | None  # the step's record; None when no step ran or its result was dropped
     finished: list[tuple[int, RequestResult]]  # pending requests that finished, their samples copied
     failed: list[tuple[int, Exception]]  # pending requests a failed step was pinned on, and its error
-    seen: int = -1  # the scheduler's `finishes` when `finished` was listed: pass it to the caller's next step
+    seen: int  # the scheduler's `finishes` when `finished` was listed: pass it to the caller's next step
 
 
 class RequestFailures:

@@ -17,7 +17,7 @@ import torch
 
 from rollout import SamplingParams
 from tests.conftest import Checkpoint, make_engine
-from tests.factories import _randomize, make_checkpoint
+from tests.factories import _randomize, fail_launch, make_checkpoint
 
 VOCAB = 96
 
@@ -302,18 +302,9 @@ def test_a_failed_step_fails_the_turn_and_the_session_goes_on(long_ckpt, monkeyp
     engine = make_engine(long_ckpt.path, max_seq_len=1024)
     sess = engine.session(list(range(3, 40)))
     sess.generate(params(3))
-    real_step = engine.stepper.launch
-    calls = {"n": 0}
-
-    def fail_third(plan, staged=False):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("device lost")
-        return real_step(plan, staged)
-
-    monkeypatch.setattr(engine.stepper, "launch", fail_third)
+    fail_launch(engine, monkeypatch, at=3)
     before = sess.token_ids
-    with pytest.raises(RuntimeError, match="device lost"):
+    with pytest.raises(RuntimeError, match="device fell over"):
         sess.generate(params(6))
     assert sess.token_ids == before
     sess.generate(params(4))
